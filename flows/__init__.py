@@ -1,0 +1,1 @@
+"""Runnable entry points and the wiring between tasks."""

@@ -1,0 +1,207 @@
+"""One typed schema for the training flow: YAML holds values, this holds shape.
+
+``load_config(path, overrides)`` reads YAML, applies dotted overrides (``trainer.max_steps=20``,
+``env_tasks.0.weight=0.5``) and validates. Any problem raises :class:`ConfigError` whose message
+names the key; the entry point prints that one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from resources.affinity import Objective, Workload
+from resources.catalog import HardwareProfile
+from resources.pools import PoolSpec, Role
+from tasks.policy import PolicySpec
+from tasks.trainer import TrainerHParams
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad config; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature")
+    max_new_tokens: int = Field(default=2, ge=1, description="Response tokens per turn at most")
+
+
+class EnvTaskConfig(_Strict):
+    name: str = Field(description="Name used in metrics (env/<name>/...)")
+    env: dict[str, Any] = Field(description="{_component_: dotted path, **kwargs} of a TextEnv")
+    weight: float = Field(default=1.0, gt=0, description="Share of groups drawn from this task")
+    group_size: int = Field(default=8, ge=2, description="Trajectories per group (same seed)")
+    reward: str = Field(default="tasks.rewards.env_return", description="Reward function path")
+    seed_range: int = Field(default=1_000_000, ge=1, description="Training seeds drawn below this")
+
+    @field_validator("env")
+    @classmethod
+    def _has_component(cls, v: dict) -> dict:
+        if "_component_" not in v:
+            raise ValueError("needs a _component_ key")
+        return v
+
+
+class RolloutConfig(_Strict):
+    max_staleness: int = Field(default=2, ge=0, description="Bound on trained staleness (steps)")
+    window_batches: int | None = Field(
+        default=None, ge=1,
+        description="Async: batches admitted ahead of the trainer (default max_staleness, min 1)")
+    max_in_flight: int = Field(default=64, ge=1, description="Trajectories rolling out at once")
+    score_batch_max: int = Field(default=32, ge=1, description="Trajectories per score call")
+    max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class TrainerConfig(_Strict):
+    max_steps: int = Field(default=100, ge=1, description="Train steps (policy versions) to run")
+    groups_per_step: int = Field(default=8, ge=1, description="Groups in one train batch")
+    hparams: TrainerHParams = Field(default_factory=TrainerHParams)
+    resume_from: str | None = Field(default=None, description="checkpoint.pt to resume from")
+
+
+class ClusterConfig(_Strict):
+    pools: list[PoolSpec] = Field(description="Pools of the embedded local cluster")
+    monolithic_profile: str = Field(default="H800", description="Profile of the single pool "
+                                    "that placement=monolithic uses")
+    dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
+    processes: bool = Field(default=True, description="Workers in separate processes (Nanny)")
+    startup_timeout_s: float = Field(default=120, gt=0, description="Wait for workers")
+
+
+class AffinityConfig(_Strict):
+    objective: Objective = Field(default=Objective.COST, description="time | cost")
+    workload: Workload = Field(default_factory=Workload)
+    profiles: dict[str, HardwareProfile] = Field(default_factory=dict,
+                                                 description="Extra or overriding profiles")
+
+
+class MetricsConfig(_Strict):
+    sink: Literal["jsonl", "null"] = Field(default="jsonl", description="Where metrics go")
+    progress: bool = Field(default=True, description="Live progress line")
+
+
+class TrainConfig(_Strict):
+    """The training flow's configuration (flows/train.py)."""
+
+    seed: int = Field(default=0, description="Global seed")
+    mode: Literal["async", "sync"] = Field(default="async", description="async | sync")
+    placement: Literal["disaggregated", "monolithic"] = Field(default="disaggregated",
+                                                              description="Pools or one pool")
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    env_tasks: list[EnvTaskConfig] = Field(min_length=1, description="The task mix")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        names = [t.name for t in self.env_tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env_tasks names must be unique, got {names}")
+        roles = {p.role for p in self.cluster.pools}
+        if Role.ALL not in roles:
+            for need in (Role.INFERENCE, Role.ENV, Role.TRAIN):
+                if need not in roles:
+                    raise ValueError(f"cluster.pools has no pool with role {need.value!r}")
+        return self
+
+    def effective_pools(self) -> list[PoolSpec]:
+        """Monolithic: one pool of the same total size whose workers carry every tag."""
+        if self.placement == "disaggregated":
+            return list(self.cluster.pools)
+        total = sum(p.workers for p in self.cluster.pools)
+        slots = max(p.slots for p in self.cluster.pools)
+        return [PoolSpec(name="monolithic", profile=self.cluster.monolithic_profile, role=Role.ALL,
+                         workers=total, slots=slots)]
+
+    @property
+    def window_batches(self) -> int:
+        return self.rollout.window_batches or max(1, self.rollout.max_staleness)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _check_path(model: type[BaseModel], parts: list[str], key: str) -> None:
+    """Reject an override whose key the schema does not have."""
+    cls: Any = model
+    for i, part in enumerate(parts):
+        if isinstance(cls, type) and issubclass(cls, BaseModel):
+            if part not in cls.model_fields:
+                raise ConfigError(f"{key}: unknown config key {'.'.join(parts[: i + 1])!r}")
+            ann = cls.model_fields[part].annotation
+            origin = getattr(ann, "__origin__", None)
+            if origin is list:
+                (item,) = ann.__args__
+                if i + 1 < len(parts):
+                    if not parts[i + 1].isdigit():
+                        raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is a list; "
+                                          "index it with a number")
+                    return _check_path(item, parts[i + 2:], key) if i + 2 < len(parts) else None
+                return
+            cls = ann if isinstance(ann, type) else None
+        else:
+            return  # free-form dicts (component kwargs) take any key
+
+
+def apply_override(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    _check_path(TrainConfig, parts, key)
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            idx = int(part)
+            if idx >= len(node):
+                raise ConfigError(f"{key}: index {idx} out of range")
+            node = node[idx]
+        else:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {str(path)!r}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"{item}: overrides are written key=value")
+        key, _, raw = item.partition("=")
+        apply_override(data, key.strip(), _parse_value(raw))
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict | list) else ""
+        raise ConfigError(f"{loc}: {err['msg']}{got}") from None
+
+
+def resolved_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

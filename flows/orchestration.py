@@ -1,0 +1,177 @@
+"""Orchestration decisions as pure functions and small state machines, without Dask.
+
+- :func:`groups_to_admit` — admission control (how many new groups to start now);
+- :class:`GroupCollector` — the streaming collector: groups fill as trajectories finish, and a
+  batch is cut from whichever groups completed first; stale trajectories are dropped, counted;
+- :func:`staleness` — trainer version at the step that trains a trajectory minus its oldest
+  token version;
+- :class:`Router` — which worker of a pool gets the next task (KV and environment affinity, then
+  least in-flight work).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from tasks.losses import group_advantages
+from tasks.records import Trajectory, TrainSample
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    mode: str  # "async" | "sync"
+    policy_version: int  # trainer steps completed
+    rolling_out: int  # trajectories admitted and not yet finished
+    unconsumed: int  # admitted and not yet trained or dropped (rolling out + waiting)
+    batch_trajectories: int  # trajectories in one train batch
+    window_batches: int  # async: batches allowed ahead of the trainer
+    max_in_flight: int  # cap on trajectories rolling out at once
+    trainer_busy: bool
+    weights_syncing: bool
+    stopping: bool
+
+
+def groups_to_admit(s: AdmissionState, group_size: int) -> int:
+    """Number of whole groups to admit now.
+
+    async: keep at most ``window_batches`` batches admitted-but-not-consumed, and at most
+    ``max_in_flight`` trajectories rolling out: the first bound keeps staleness low (a trajectory
+    admitted now is trained within about ``window_batches`` steps), the second is the per-pool
+    backpressure Dask does not give resource-restricted tasks.
+    sync: one batch at a time, only when the previous one was trained and its weights are live.
+    """
+    if s.stopping:
+        return 0
+    if s.mode == "sync":
+        if s.unconsumed or s.trainer_busy or s.weights_syncing:
+            return 0
+        return -(-s.batch_trajectories // group_size)
+    room = min(s.window_batches * s.batch_trajectories - s.unconsumed,
+               s.max_in_flight - s.rolling_out)
+    return max(0, room // group_size)
+
+
+def staleness(trainer_version: int, traj: Trajectory) -> int:
+    return trainer_version - traj.oldest_version
+
+
+@dataclass
+class _Group:
+    group_id: str
+    env_name: str
+    size: int
+    members: list[Trajectory] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) + self.dropped >= self.size
+
+
+@dataclass
+class BatchDecision:
+    samples: list[TrainSample]
+    trajectories: list[Trajectory]
+    stale: list[Trajectory]
+    staleness: list[int]
+
+
+class GroupCollector:
+    """Assembles groups as trajectories finish; cuts batches without waiting for stragglers."""
+
+    def __init__(self, normalise_std: bool = True):
+        self._open: dict[str, _Group] = {}
+        self._ready: OrderedDict[str, _Group] = OrderedDict()
+        self.normalise_std = normalise_std
+        # members of groups left too small to compare (others failed); the caller drops them
+        self.orphans: list[Trajectory] = []
+
+    def open_group(self, group_id: str, env_name: str, size: int) -> None:
+        self._open[group_id] = _Group(group_id, env_name, size)
+
+    def add(self, traj: Trajectory) -> None:
+        g = self._open[traj.group_id]
+        g.members.append(traj)
+        self._promote(g)
+
+    def drop_member(self, group_id: str) -> None:
+        g = self._open[group_id]
+        g.dropped += 1
+        self._promote(g)
+
+    def _promote(self, g: _Group) -> None:
+        if g.complete:
+            del self._open[g.group_id]
+            if len(g.members) >= 2:
+                self._ready[g.group_id] = g
+            else:
+                self.orphans.extend(g.members)
+
+    @property
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    @property
+    def ready_trajectories(self) -> int:
+        return sum(len(g.members) for g in self._ready.values())
+
+    @property
+    def open_groups(self) -> int:
+        return len(self._open)
+
+    def take_batch(self, groups: int, trainer_version: int, max_staleness: int,
+                   force: bool = False) -> BatchDecision | None:
+        """Cut a batch of the first ``groups`` completed groups (all of them when ``force``).
+
+        Members staler than ``max_staleness`` are dropped, never trained on; a group left with
+        fewer than two members cannot give relative advantages and is dropped whole.
+        """
+        if not self._ready or (len(self._ready) < groups and not force):
+            return None
+        picked = [self._ready.popitem(last=False)[1] for _ in range(min(groups, len(self._ready)))]
+        samples, kept, stale, ages = [], [], [], []
+        for g in picked:
+            fresh = []
+            for t in g.members:
+                age = staleness(trainer_version, t)
+                (fresh if age <= max_staleness else stale).append(t)
+                if age <= max_staleness:
+                    ages.append(age)
+            if len(fresh) < 2:
+                stale.extend(fresh)
+                ages = ages[: len(ages) - len(fresh)]
+                continue
+            adv = group_advantages([t.reward for t in fresh], self.normalise_std)
+            for t, a in zip(fresh, adv, strict=True):
+                samples.append(TrainSample(t.token_ids, t.loss_mask, t.behaviour_logprobs, a))
+                kept.append(t)
+        return BatchDecision(samples, kept, stale, ages)
+
+
+class Router:
+    """Chooses workers. Pure: the caller reports submissions and completions."""
+
+    def __init__(self, workers_by_tag: dict[str, list[str]]):
+        self.workers_by_tag = {k: list(v) for k, v in workers_by_tag.items()}
+        self.load: Counter[str] = Counter()
+
+    def choose(self, tag: str, prefer: str | None = None) -> str:
+        pool = self.workers_by_tag.get(tag) or []
+        if not pool:
+            raise LookupError(f"no worker advertises {tag}")
+        if prefer in pool:
+            return prefer
+        return min(pool, key=lambda w: (self.load[w], w))
+
+    def started(self, worker: str) -> None:
+        self.load[worker] += 1
+
+    def finished(self, worker: str) -> None:
+        self.load[worker] -= 1
+
+
+def sample_env_task(weights: list[float], rng: random.Random) -> int:
+    """Index of the env task of the next group, drawn by the mix weights."""
+    return rng.choices(range(len(weights)), weights=weights, k=1)[0]

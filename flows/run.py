@@ -1,0 +1,366 @@
+"""The training loop: admission, trajectory graphs, streaming collector, trainer, weight sync.
+
+One event loop on the driver reacts to finished futures (``as_completed``), each a small result:
+an env_step (a turn done), a score batch, a train step, a weight load. Every decision it takes is
+one of the pure functions of :mod:`flows.orchestration`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from distributed import Future, as_completed
+
+from flows.config import TrainConfig
+from flows.metrics import MetricSink, ProgressLine
+from flows.orchestration import (
+    AdmissionState,
+    BatchDecision,
+    GroupCollector,
+    Router,
+    groups_to_admit,
+    sample_env_task,
+)
+from flows.rollout import RolloutDriver, score_requests
+from resources.cluster import ClusterHandle
+from resources.placement import PlacementRecorder, placement_snapshot
+from resources.pools import Stage, Tag, demand
+from resources.reward_client import LocalRewardClient
+from resources.worker import RollArcWorkerPlugin, plain, with_engine, with_trainer, worker_report
+from tasks.policy import load_tokenizer, stop_token_ids
+from tasks.records import TrainBatch, TrainStats, Trajectory
+from tasks.rewards import score
+from tasks.trainer import load_weights, publish_weights, save_checkpoint, train_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    version: int = 0
+    trained: int = 0
+    finished: int = 0
+    trainer_busy: bool = False
+    loads_pending: int = 0
+    pending_score: list[Trajectory] = field(default_factory=list)
+    scoring: dict[str, list[Trajectory]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # future key -> kind
+    batch_info: dict | None = None
+    stale_ages: list[int] = field(default_factory=list)
+    train_windows: list[tuple[float, float]] = field(default_factory=list)
+    train_submitted_at: float = 0.0
+    groups: int = 0
+    score_calls: int = 0
+
+
+class TrainingRun:
+    """Wires the cluster, the rollout driver, the collector and the trainer for one run."""
+
+    def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink):
+        self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
+        self.client = cluster.client
+        self.router = Router({str(t): cluster.workers_with(t) for t in Tag})
+        for tag in Tag:
+            if not cluster.workers_with(tag):
+                raise RuntimeError(f"no worker advertises the resource {tag}; start workers with "
+                                   f"--resources \"{tag}=<slots>\"")
+        self.trainer_worker = cluster.workers_with(Tag.TRAINER)[0]
+        self.inference_workers = sorted(set(cluster.workers_with(Tag.GPU_COMPUTE))
+                                        | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))
+        tokenizer = load_tokenizer(cfg.policy)
+        self.driver = RolloutDriver(self.client, cfg, self.router, stop_token_ids(tokenizer))
+        self.collector = GroupCollector()
+        self.state = RunState()
+        self.rng = random.Random(cfg.seed)
+        self.reward_client = LocalRewardClient(max_batch=cfg.rollout.score_batch_max)
+        self.reward_fns = {t.name: t.reward for t in cfg.env_tasks}
+        self.env_names = [t.name for t in cfg.env_tasks]
+        self.ac = as_completed(raise_errors=False)
+        self.batch_trajectories = sum(
+            t.group_size * t.weight for t in cfg.env_tasks) / sum(
+            t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step
+        self.window: list[Trajectory] = []  # trajectories of the current batch (for metrics)
+        self.t0 = time.perf_counter()
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.client.register_plugin(PlacementRecorder())
+        self.client.register_plugin(RollArcWorkerPlugin(
+            policy=self.cfg.policy.model_dump(), trainer=self.cfg.trainer.hparams.model_dump(),
+            seed=self.cfg.seed))
+        if self.cfg.trainer.resume_from:
+            from tasks.trainer import PolicyTrainer
+
+            fut = self.client.submit(with_trainer, PolicyTrainer.load_checkpoint,
+                                     self.cfg.trainer.resume_from, key="resume-0",
+                                     workers=[self.trainer_worker],
+                                     resources=demand(Stage.TRAIN_STEP), pure=False)
+            self.state.version = fut.result()
+            logger.info("resumed at policy version %d", self.state.version)
+        # Every inference worker starts from the trainer's weights, version-stamped.
+        for f in self._sync_weights(track=False):
+            f.result()
+
+    def _sync_weights(self, track: bool = True) -> list[Future]:
+        """Publish the trainer's weights and load them on every inference worker, worker to
+        worker; each engine switches at its next safe point."""
+        v = self.state.version
+        snap = self.client.submit(with_trainer, publish_weights, key=f"publish_weights-{v}",
+                                  workers=[self.trainer_worker], pure=False,
+                                  resources=demand(Stage.PUBLISH_WEIGHTS))
+        futs = []
+        for i, w in enumerate(self.inference_workers):
+            tag = Tag.GPU_COMPUTE if w in self.cluster.workers_with(Tag.GPU_COMPUTE) else Tag.GPU_BANDWIDTH
+            f = self.client.submit(with_engine, load_weights, snap, key=f"load_weights-{v}-{i}",
+                                   workers=[w], pure=False, allow_other_workers=False,
+                                   resources=demand(Stage.LOAD_WEIGHTS, tag))
+            futs.append(f)
+            if track:
+                self._track(f, "load")
+                self.state.loads_pending += 1
+        return futs
+
+    def _track(self, fut: Future, kind: str) -> None:
+        self.state.kinds[fut.key] = kind
+        self.ac.add(fut)
+
+    # -- decisions --------------------------------------------------------------------------
+    def _admission(self) -> AdmissionState:
+        s = self.state
+        unconsumed = (len(self.driver.live) + len(s.pending_score)
+                      + sum(len(v) for v in s.scoring.values())
+                      + self.collector.ready_trajectories + self._open_group_members())
+        return AdmissionState(
+            mode=self.cfg.mode, policy_version=s.version, rolling_out=len(self.driver.live),
+            unconsumed=unconsumed, batch_trajectories=int(round(self.batch_trajectories)),
+            window_batches=self.cfg.window_batches, max_in_flight=self.cfg.rollout.max_in_flight,
+            trainer_busy=s.trainer_busy, weights_syncing=s.loads_pending > 0,
+            stopping=self.driver.stopping)
+
+    def _open_group_members(self) -> int:
+        return sum(len(g.members) for g in self.collector._open.values())
+
+    def _admit(self) -> None:
+        weights = [t.weight for t in self.cfg.env_tasks]
+        group_size = min(t.group_size for t in self.cfg.env_tasks)
+        for _ in range(groups_to_admit(self._admission(), group_size)):
+            task = self.cfg.env_tasks[sample_env_task(weights, self.rng)]
+            gid = f"{task.name}.{self.state.groups}"
+            self.state.groups += 1
+            seed = self.rng.randrange(task.seed_range)
+            self.collector.open_group(gid, task.name, task.group_size)
+            for _ in range(task.group_size):
+                self._track(self.driver.new_trajectory(gid, task, seed), "step")
+
+    def _flush_scores(self) -> None:
+        s = self.state
+        while s.pending_score:
+            batch = s.pending_score[: self.cfg.rollout.score_batch_max]
+            del s.pending_score[: len(batch)]
+            worker = self.router.choose(Tag.CPU_ENV)
+            fut = self.client.submit(plain, score, self.reward_client,
+                                     score_requests(batch, self.reward_fns),
+                                     key=f"score-{s.score_calls}", workers=[worker], pure=False,
+                                     resources=demand(Stage.SCORE))
+            s.score_calls += 1
+            s.scoring[fut.key] = batch
+            self._track(fut, "score")
+
+    def _maybe_train(self) -> None:
+        s = self.state
+        if s.trainer_busy or s.version >= self.cfg.trainer.max_steps:
+            return
+        if self.cfg.mode == "sync":
+            a = self._admission()
+            # barrier: the whole batch is generated and scored, and the weights are live
+            if a.rolling_out or s.pending_score or s.scoring or self.collector.open_groups:
+                return
+            decision = self.collector.take_batch(10**9, s.version, self.cfg.rollout.max_staleness,
+                                                 force=True)
+        else:
+            decision = self.collector.take_batch(self.cfg.trainer.groups_per_step, s.version,
+                                                 self.cfg.rollout.max_staleness)
+        if decision is None:
+            return
+        self._drop_trajectories(decision.stale, "stale")
+        self._drop_orphans()
+        if not decision.samples:
+            return
+        self._submit_train(decision)
+
+    def _submit_train(self, d: BatchDecision) -> None:
+        s = self.state
+        fut = self.client.submit(with_trainer, train_step, TrainBatch(d.samples, s.version),
+                                 key=f"train_step-{s.version}", workers=[self.trainer_worker],
+                                 pure=False, resources=demand(Stage.TRAIN_STEP))
+        s.trainer_busy = True
+        s.train_submitted_at = time.perf_counter()
+        s.batch_info = self._batch_metrics(d)
+        s.trained += len(d.trajectories)
+        self._track(fut, "train")
+
+    def _drop_trajectories(self, trajs: list[Trajectory], reason: str) -> None:
+        for _ in trajs:
+            self.driver.dropped[reason] += 1
+
+    def _drop_orphans(self) -> None:
+        if self.collector.orphans:
+            self._drop_trajectories(self.collector.orphans, "group_incomplete")
+            self.collector.orphans.clear()
+
+    # -- completions ------------------------------------------------------------------------
+    def _on_step(self, fut: Future) -> None:
+        if fut.status != "finished":
+            nxt, dropped_group = self.driver.on_error(fut)
+            if nxt is not None:
+                self._track(nxt, "step")
+            if dropped_group is not None:
+                self.collector.drop_member(dropped_group)
+                self._drop_orphans()
+            return
+        traj, nxt = self.driver.on_step(fut)
+        if nxt is not None:
+            self._track(nxt, "step")
+        elif traj is not None:
+            self.state.finished += 1
+            self.state.pending_score.append(traj)
+
+    def _on_score(self, fut: Future) -> None:
+        batch = self.state.scoring.pop(fut.key)
+        if fut.status != "finished":
+            results = [None] * len(batch)
+            err = f"reward_error:{type(fut.exception()).__name__}"
+        else:
+            results, err = fut.result(), None
+        for traj, res in zip(batch, results, strict=True):
+            if res is None or res.score is None:
+                reason = err or "reward_error"
+                self.driver.dropped[reason] += 1
+                if len(self.driver.drop_details) < 100:
+                    self.driver.drop_details.append({"trajectory": traj.traj_id, "reason": reason,
+                                                     "detail": getattr(res, "error", "")})
+                self.collector.drop_member(traj.group_id)
+            else:
+                traj.reward, traj.reward_details = float(res.score), res.details
+                self.collector.add(traj)
+        self._drop_orphans()
+
+    def _on_train(self, fut: Future, progress: ProgressLine) -> None:
+        s = self.state
+        s.trainer_busy = False
+        stats: TrainStats = fut.result()  # a trainer failure ends the run loudly
+        s.train_windows.append((s.train_submitted_at, time.perf_counter()))
+        s.version = stats.policy_version
+        metrics = {"train/step": s.version, **stats.log("train"), **(s.batch_info or {}),
+                   **self._perf_metrics()}
+        self.sink.log(metrics)
+        self.last_metrics = metrics
+        progress.update(metrics, self.env_names)
+        if s.version >= self.cfg.trainer.max_steps:
+            self.driver.stopping = True
+        self._sync_weights()
+
+    def _batch_metrics(self, d: BatchDecision) -> dict:
+        trajs = d.trajectories
+        m: dict = {
+            "reward/mean": float(np.mean([t.reward for t in trajs])),
+            "reward/std": float(np.std([t.reward for t in trajs])),
+            "rollout/batch_trajectories": len(trajs),
+            "rollout/staleness_mean": float(np.mean(d.staleness)) if d.staleness else 0.0,
+            "rollout/staleness_max": int(max(d.staleness)) if d.staleness else 0,
+            "rollout/dropped_stale": len(d.stale),
+            "rollout/truncated": float(np.mean([t.truncated for t in trajs])),
+            "rollout/response_tokens": float(np.mean([t.loss_mask.sum() for t in trajs])),
+            "rollout/sequence_tokens": float(np.mean([len(t.token_ids) for t in trajs])),
+        }
+        by_env: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in trajs:
+            by_env[t.env_name].append(t)
+        for name, ts in by_env.items():
+            m[f"env/{name}/success"] = float(np.mean([t.success for t in ts]))
+            m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))
+            m[f"env/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
+            m[f"env/{name}/format_errors"] = float(np.mean(
+                [t.info.get("format_errors", 0) for t in ts]))
+            m[f"env/{name}/env_step_s"] = float(np.mean(
+                [t.info.get("env_step_s", 0.0) / max(t.num_turns, 1) for t in ts]))
+            m[f"env/{name}/trajectories"] = len(ts)
+        return m
+
+    def _perf_metrics(self) -> dict:
+        elapsed = time.perf_counter() - self.t0
+        return {"perf/elapsed_s": elapsed,
+                "perf/trajectories_per_s": self.state.finished / max(elapsed, 1e-9),
+                "rollout/started": self.driver.started, "rollout/trained": self.state.trained,
+                "rollout/dropped": sum(self.driver.dropped.values()),
+                "rollout/in_flight": len(self.driver.live)}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, progress: ProgressLine) -> None:
+        self.t0 = time.perf_counter()
+        self.last_metrics: dict = {}
+        handlers = {"step": self._on_step, "score": self._on_score,
+                    "train": lambda f: self._on_train(f, progress), "load": self._on_load,
+                    "close": lambda f: None}
+        while True:
+            self._admit()
+            self._flush_scores()
+            self._maybe_train()
+            if self.ac.is_empty():
+                break
+            for fut in self.ac.next_batch(block=True):
+                handlers[self.state.kinds.pop(fut.key)](fut)
+            while self.driver.closing:
+                self._track(self.driver.closing.pop(), "close")
+        self._finish_unconsumed()
+
+    def _on_load(self, fut: Future) -> None:
+        self.state.loads_pending -= 1
+        if fut.status != "finished":
+            raise RuntimeError(f"weight load {fut.key} failed: {fut.exception()}")
+
+    def _finish_unconsumed(self) -> None:
+        """At the end, finished-but-untrained trajectories are counted as dropped (run_ended)."""
+        leftover = self.collector.ready_trajectories + self._open_group_members()
+        self.driver.dropped["run_ended"] += leftover
+        self._drop_orphans()
+
+    # -- wrap-up ----------------------------------------------------------------------------
+    def save(self) -> str:
+        fut = self.client.submit(with_trainer, save_checkpoint, str(self.run_dir.resolve()),
+                                 key=f"save_checkpoint-{self.state.version}", pure=False,
+                                 workers=[self.trainer_worker],
+                                 resources=demand(Stage.SAVE_CHECKPOINT))
+        return fut.result()
+
+    def summary(self) -> dict:
+        placement = self.client.run_on_scheduler(placement_snapshot)
+        by_pool: dict[str, Counter] = defaultdict(Counter)
+        for stage, per_worker in placement.items():
+            for w, n in per_worker.items():
+                by_pool[stage][self.cluster.worker_pool.get(w, w)] += n
+        reports = self.client.run(worker_report)
+        live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
+        d = self.driver
+        return {
+            "final_metrics": self.last_metrics,
+            "policy_version": self.state.version,
+            "trajectories": {"started": d.started, "finished": self.state.finished,
+                             "trained": self.state.trained, "dropped": dict(d.dropped),
+                             "truncated": dict(d.truncated)},
+            "drop_details": d.drop_details[:20],
+            "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
+            "score": {"invocations": self.state.score_calls,
+                      "mean_batch": self.state.finished / max(self.state.score_calls, 1)},
+            "live_env_instances_at_end": live_envs,
+            "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
+                        for a, r in reports.items()},
+            "train_windows_s": [(a - self.t0, b - self.t0) for a, b in self.state.train_windows],
+            "elapsed_s": time.perf_counter() - self.t0,
+        }

@@ -1,0 +1,98 @@
+"""Hardware-affinity routing: a roofline cost model picks the pool for prefill and for decode.
+
+Prefill reads a whole prompt in one pass: its time is bound by FLOPs. Decode emits one token per
+pass for a batch of sequences and re-reads the weights and the KV cache each time: its time is
+bound by memory bandwidth (arXiv 2512.22560, Sec. 3.1). For each candidate pool we estimate the
+time of a representative unit of work with the roofline ``max(flops / peak, bytes / bandwidth)``
+and choose the pool with the lowest time, or the lowest time x price (``objective: cost``).
+With a single kind of device every stage lands on it: that is colocation, and the monolithic
+placement is exactly this case.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from resources.catalog import HardwareProfile, get_profile
+from resources.pools import PoolSpec, Role, Stage, Tag
+
+
+class Objective(StrEnum):
+    TIME = "time"
+    COST = "cost"
+
+
+class Workload(BaseModel):
+    """The production model and request shape that the profiles stand for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    params: float = Field(default=7e9, gt=0, description="Policy parameters")
+    bytes_per_param: float = Field(default=2.0, gt=0, description="2 for bf16 weights")
+    kv_bytes_per_token: float = Field(
+        default=131072.0, gt=0, description="KV cache bytes per token (all layers, K and V)")
+    prefill_tokens: int = Field(default=2048, ge=1, description="Tokens read by one prefill")
+    decode_batch: int = Field(default=64, ge=1, description="Sequences decoded together")
+    context_tokens: int = Field(default=4096, ge=1, description="Context length during decode")
+    mfu: float = Field(default=0.5, gt=0, le=1, description="Fraction of peak FLOP/s reached")
+    mbu: float = Field(default=0.8, gt=0, le=1, description="Fraction of peak bandwidth reached")
+
+
+def stage_time(stage: Stage, hw: HardwareProfile, w: Workload) -> float:
+    """Roofline estimate, in seconds, of one prefill or one decode step of a batch."""
+    weight_bytes = w.params * w.bytes_per_param
+    if stage is Stage.PREFILL:
+        flops = 2.0 * w.params * w.prefill_tokens
+        bytes_moved = weight_bytes + w.kv_bytes_per_token * w.prefill_tokens
+    elif stage is Stage.DECODE:
+        flops = 2.0 * w.params * w.decode_batch
+        bytes_moved = weight_bytes + w.kv_bytes_per_token * w.context_tokens * w.decode_batch
+    else:
+        raise ValueError(f"the cost model routes prefill and decode, not {stage}")
+    return max(flops / (hw.peak_flops * w.mfu), bytes_moved / (hw.mem_bandwidth * w.mbu))
+
+
+def stage_score(stage: Stage, hw: HardwareProfile, w: Workload, objective: Objective) -> float:
+    t = stage_time(stage, hw, w)
+    return t if objective is Objective.TIME else t * hw.price_per_hour
+
+
+ROUTED_STAGES: dict[Stage, Tag] = {Stage.PREFILL: Tag.GPU_COMPUTE, Stage.DECODE: Tag.GPU_BANDWIDTH}
+
+
+def route(
+    pools: list[PoolSpec],
+    workload: Workload,
+    objective: Objective = Objective.COST,
+    profiles: dict[str, HardwareProfile] | None = None,
+) -> dict[Stage, str]:
+    """Choose a pool name for prefill and for decode among the pools able to run inference."""
+    candidates = [p for p in pools if p.role in (Role.INFERENCE, Role.ALL)]
+    if not candidates:
+        raise ValueError("no pool with role 'inference' or 'all' to run prefill and decode")
+    choice = {}
+    for stage in ROUTED_STAGES:
+        choice[stage] = min(
+            candidates,
+            key=lambda p: (stage_score(stage, get_profile(p.profile, profiles), workload, objective),
+                           p.name),
+        ).name
+    return choice
+
+
+def pool_tags(pools: list[PoolSpec], routing: dict[Stage, str]) -> dict[str, list[Tag]]:
+    """The resource tags each pool's workers advertise, given the routing."""
+    tags: dict[str, list[Tag]] = {p.name: [] for p in pools}
+    for p in pools:
+        if p.role is Role.ALL:
+            tags[p.name] = list(Tag)
+        elif p.role is Role.ENV:
+            tags[p.name].append(Tag.CPU_ENV)
+        elif p.role is Role.TRAIN:
+            tags[p.name].append(Tag.TRAINER)
+    for stage, tag in ROUTED_STAGES.items():
+        if tag not in tags[routing[stage]]:
+            tags[routing[stage]].append(tag)
+    return tags

@@ -1,0 +1,110 @@
+"""Cluster creation and connection.
+
+The embedded default starts a ``SpecCluster`` with one worker process per pool worker, each
+advertising its pool's tags with its slot count as the total. ``--scheduler`` connects to any
+running Dask scheduler instead, whose workers were started with matching ``--resources``; pools
+are then read back from the workers' declared resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+
+from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+
+from resources.pools import PoolSpec, Tag
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterHandle:
+    client: Client
+    cluster: SpecCluster | None
+    worker_pool: dict[str, str]  # worker address -> pool name
+    worker_tags: dict[str, dict[str, float]]  # worker address -> {tag: slots}
+    dashboard_link: str | None
+    pool_profiles: dict[str, str] = field(default_factory=dict)
+
+    def workers_with(self, tag: Tag) -> list[str]:
+        return sorted(a for a, r in self.worker_tags.items() if r.get(str(tag), 0) > 0)
+
+    def slots(self, tag: Tag) -> int:
+        return int(sum(r.get(str(tag), 0) for r in self.worker_tags.values()))
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+# Worker processes log warnings only, and never reach for a model hub.
+WORKER_ENV = {"DASK_LOGGING__DISTRIBUTED": "warning", "TRANSFORMERS_VERBOSITY": "error",
+              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _free_port(preferred: int) -> int:
+    """The preferred port if free, else the next free one."""
+    for port in range(preferred, preferred + 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return 0
+
+
+def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: bool) -> dict:
+    specs = {}
+    for pool in pools:
+        for i in range(pool.workers):
+            specs[f"{pool.name}-{i}"] = {
+                "cls": Nanny if processes else Worker,
+                "options": {
+                    "nthreads": pool.slots,
+                    "resources": {str(t): pool.slots for t in tags[pool.name]},
+                    "memory_limit": 0,
+                    **({"env": WORKER_ENV} if processes else {}),
+                },
+            }
+    return specs
+
+
+def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashboard_port: int = 8787,
+                        processes: bool = True, timeout: float = 120) -> ClusterHandle:
+    port = _free_port(dashboard_port) if dashboard_port else 0
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": f"127.0.0.1:{port}",
+                                                "host": "127.0.0.1"}}
+    specs = worker_specs(pools, tags, processes)
+    cluster = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARNING,
+                          name="rollarc")
+    client = Client(cluster)
+    client.wait_for_workers(len(specs), timeout=timeout)
+    handle = _describe(client, cluster)
+    handle.pool_profiles = {p.name: p.profile for p in pools}
+    return handle
+
+
+def connect(address: str, timeout: float = 60) -> ClusterHandle:
+    client = Client(address, timeout=timeout)
+    client.wait_for_workers(1, timeout=timeout)
+    return _describe(client, None)
+
+
+def _describe(client: Client, cluster: SpecCluster | None) -> ClusterHandle:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    worker_pool, worker_tags = {}, {}
+    for addr, w in info.items():
+        res = {k: v for k, v in (w.get("resources") or {}).items() if k in {t.value for t in Tag}}
+        worker_tags[addr] = res
+        name = str(w.get("name", addr))
+        # SpecCluster names workers '<pool>-<i>'; elsewhere the pool is the set of tags.
+        worker_pool[addr] = name.rsplit("-", 1)[0] if cluster is not None else "+".join(sorted(res))
+    try:
+        link = client.dashboard_link
+    except Exception:  # no dashboard (bokeh missing on a remote scheduler)
+        link = None
+    return ClusterHandle(client, cluster, worker_pool, worker_tags, link)

@@ -1,0 +1,184 @@
+"""The worker-resident inference engine: one model per worker process, versioned weights, and a
+micro-batcher that merges the forward requests of concurrent tasks into shared forward passes.
+
+Each Dask task thread calls :meth:`InferenceEngine.forward` and blocks; one engine thread drains
+the request queue, pads the requests' past KV caches (left) and new tokens (right) into one batch,
+runs a single forward pass and hands each request its slice back. New weights are applied by that
+same thread between two forward passes: the safe point. Every result carries the version of the
+weights that produced it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from tasks.policy import kv_geometry
+
+logger = logging.getLogger(__name__)
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class ForwardResult:
+    """kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab]."""
+
+    kv_new: torch.Tensor
+    last_logits: torch.Tensor
+    version: int
+
+
+@dataclass
+class _Request:
+    past: torch.Tensor  # [L, 2, H, T, D]
+    input_ids: list[int]
+    future: Future
+
+
+@dataclass
+class EngineStats:
+    forward_passes: int = 0
+    requests: int = 0
+    tokens: int = 0
+    max_batch_seen: int = 0
+    weight_loads: int = 0
+
+
+class InferenceEngine:
+    """Batched, versioned forward passes over a causal LM."""
+
+    def __init__(self, model: PreTrainedModel, max_batch: int = 64, batch_wait_s: float = 0.0):
+        self.model = model.eval()
+        self.layers, self.kv_heads, self.head_dim = kv_geometry(model)
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
+        self.version = 0
+        self.stats = EngineStats()
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._pending_weights: tuple[dict, int, threading.Event] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="rollarc-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API, called from task threads -------------------------------------------------
+    def empty_kv(self) -> torch.Tensor:
+        return torch.zeros(self.layers, 2, self.kv_heads, 0, self.head_dim)
+
+    def forward(self, past: torch.Tensor | np.ndarray | None, input_ids: list[int]) -> ForwardResult:
+        """Run ``input_ids`` after the cached ``past``; blocks until the batch containing it ran."""
+        if not input_ids:
+            raise ValueError("forward needs at least one new token")
+        if past is None:
+            past = self.empty_kv()
+        elif isinstance(past, np.ndarray):
+            past = torch.from_numpy(past)
+        fut: Future = Future()
+        self._queue.put(_Request(past, list(input_ids), fut))
+        return fut.result()
+
+    def load_weights(self, state: dict[str, np.ndarray], version: int, timeout: float = 600) -> int:
+        """Stage new weights; the engine thread switches at the next safe point. Returns the
+        version in use once switched."""
+        done = threading.Event()
+        with self._lock:
+            self._pending_weights = (state, version, done)
+        self._queue.put(None)  # wake the engine thread if idle
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not reach a safe point to switch weights")
+        return self.version
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _apply_pending_weights(self) -> None:
+        with self._lock:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        state, version, done = pending
+        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if missing or unexpected:
+            logger.error("weights v%d: missing %s unexpected %s", version, missing, unexpected)
+        self.version = version
+        self.stats.weight_loads += 1
+        done.set()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            first = self._queue.get()
+            self._apply_pending_weights()
+            if first is None:
+                continue
+            batch = [first]
+            if self.batch_wait_s:
+                time.sleep(self.batch_wait_s)
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    batch.append(item)
+            try:
+                results = self._run(batch)
+            except Exception as exc:  # hand the error to every waiting task
+                for r in batch:
+                    r.future.set_exception(exc)
+                continue
+            for r, res in zip(batch, results, strict=True):
+                r.future.set_result(res)
+
+    @torch.no_grad()
+    def _run(self, batch: list[_Request]) -> list[ForwardResult]:
+        B = len(batch)
+        past_lens = [r.past.shape[3] for r in batch]
+        new_lens = [len(r.input_ids) for r in batch]
+        T, N = max(past_lens), max(new_lens)
+        input_ids = torch.zeros(B, N, dtype=torch.long)
+        mask = torch.zeros(B, T + N, dtype=torch.long)
+        positions = torch.zeros(B, N, dtype=torch.long)
+        kv = torch.zeros(self.layers, 2, B, self.kv_heads, T, self.head_dim)
+        for b, r in enumerate(batch):
+            t, n = past_lens[b], new_lens[b]
+            input_ids[b, :n] = torch.tensor(r.input_ids)
+            mask[b, T - t : T + n] = 1
+            positions[b] = torch.arange(t, t + N)
+            if t:
+                kv[:, :, b, :, T - t :] = r.past
+        cfg = self.model.config
+        cache = (DynamicCache(ddp_cache_data=[(kv[l, 0], kv[l, 1]) for l in range(self.layers)],
+                              config=cfg) if T else DynamicCache(config=cfg))
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, **{cache_kwarg(self.model): cache})
+        layers = cache.layers  # filled in place
+        keys = torch.stack([layer.keys[:, :, T:] for layer in layers])  # [L, B, H, N, D]
+        values = torch.stack([layer.values[:, :, T:] for layer in layers])
+        logits = out.logits.float()
+        self.stats.forward_passes += 1
+        self.stats.requests += B
+        self.stats.tokens += sum(new_lens)
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, B)
+        results = []
+        for b in range(B):
+            n = new_lens[b]
+            kv_new = torch.stack([keys[:, b, :, :n], values[:, b, :, :n]], dim=1).contiguous()
+            results.append(ForwardResult(kv_new, logits[b, n - 1].clone(), self.version))
+        return results

@@ -1,0 +1,1 @@
+"""The units of work: plain typed functions on typed records, each run as one Dask task."""

@@ -1,0 +1,50 @@
+"""env_reset / env_step / env_close: environment work on a CPU_ENV worker.
+
+Instances live in that worker's registry; the trajectory's later steps are pinned to it, so an
+environment's state is never rebuilt by replaying seeds and past actions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tasks.policy import encode_first_turn, encode_next_turn
+from tasks.records import EnvHandle, EnvObservation, TurnSample
+
+
+def env_reset(registry, tokenizer, env_spec: dict, seed: int,
+              system_prompt: str | None = None) -> EnvObservation:
+    t0 = time.perf_counter()
+    instance_id, env = registry.create(env_spec)
+    text, info = env.reset(seed=seed)
+    return EnvObservation(
+        handle=EnvHandle(registry.address, instance_id), text=text,
+        input_ids=encode_first_turn(tokenizer, text, system_prompt), info=dict(info),
+        step_seconds=time.perf_counter() - t0,
+    )
+
+
+def env_step(registry, tokenizer, prev: EnvObservation, sample: TurnSample) -> EnvObservation:
+    """Apply the policy's response to the instance ``prev`` came from; close it when the episode
+    ends. The result carries ``prev.input_ids`` back as ``consumed_ids`` so the driver can write the
+    trajectory's tokens in order without fetching earlier results."""
+    t0 = time.perf_counter()
+    handle = prev.handle
+    env = registry.get(handle.instance_id)
+    text, reward, terminated, truncated, info = env.step(sample.text)
+    done = terminated or truncated
+    if done:
+        registry.close(handle.instance_id)
+        input_ids: list[int] = []
+    else:
+        input_ids = encode_next_turn(tokenizer, text, sample.stopped)
+    return EnvObservation(
+        handle=handle, text=text, input_ids=input_ids, reward=float(reward),
+        terminated=bool(terminated), truncated=bool(truncated), info=dict(info), sample=sample,
+        consumed_ids=list(prev.input_ids), step_seconds=time.perf_counter() - t0,
+    )
+
+
+def env_close(registry, handle: EnvHandle) -> bool:
+    """Close an instance whose trajectory was dropped; True if it was still open."""
+    return registry.close(handle.instance_id)

@@ -1,0 +1,1 @@
+"""Multi-turn text environments following the GEM text-environment API."""

@@ -1,0 +1,80 @@
+"""FrozenLake (gymnasium, standard 4x4 map, not slippery) as a multi-turn text environment.
+
+The agent answers each turn with one word (``left``, ``down``, ``right``, ``up``); anything else
+is a format error: the turn is spent, the agent does not move, and the step reward is
+``-format_penalty``. Reaching the goal pays 1 and ends the episode; a hole ends it with 0.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import gymnasium as gym
+
+ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
+_ACTION_RE = re.compile(r"^\s*(left|down|right|up)\b", re.IGNORECASE)
+MAX_ACTION_CHARS = 256
+
+
+def parse_action(text: str) -> int | None:
+    """The action the text starts with, or None if it is malformed."""
+    if not text or len(text) > MAX_ACTION_CHARS:
+        return None
+    m = _ACTION_RE.match(text)
+    return ACTIONS[m.group(1).lower()] if m else None
+
+
+class FrozenLakeText:
+    """FrozenLake with text observations; ``observation='grid'`` shows the whole map."""
+
+    def __init__(self, map_name: str = "4x4", is_slippery: bool = False, max_turns: int = 10,
+                 format_penalty: float = 0.1, observation: Literal["position", "grid"] = "position"):
+        self._env = gym.make("FrozenLake-v1", map_name=map_name, is_slippery=is_slippery)
+        self._desc = [[c.decode() for c in row] for row in self._env.unwrapped.desc]
+        self.ncol = len(self._desc[0])
+        self.max_turns = max_turns
+        self.format_penalty = format_penalty
+        self.observation = observation
+        self._state = 0
+        self._turn = 0
+        self._format_errors = 0
+
+    def _describe(self) -> str:
+        row, col = divmod(self._state, self.ncol)
+        if self.observation == "grid":
+            cells = [["P" if r * self.ncol + c == self._state else ch for c, ch in enumerate(line)]
+                     for r, line in enumerate(self._desc)]
+            return " / ".join(" ".join(line) for line in cells)
+        return f"you are at row {row} col {col}"
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self._state, _ = self._env.reset(seed=seed)
+        self._turn = 0
+        self._format_errors = 0
+        intro = "frozen lake : reach the goal G without falling into a hole H . move left down right up"
+        return f"{intro} . {self._describe()}", {"success": False}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._turn += 1
+        a = parse_action(action)
+        reward, terminated = 0.0, False
+        if a is None:
+            self._format_errors += 1
+            reward = -self.format_penalty
+            obs = f"invalid action . {self._describe()}"
+        else:
+            self._state, r, terminated, _, _ = self._env.step(a)
+            reward = float(r)
+            row, col = divmod(self._state, self.ncol)
+            cell = self._desc[row][col]
+            obs = ("reached the goal" if cell == "G" else "fell in a hole" if cell == "H"
+                   else self._describe())
+        success = terminated and reward > 0
+        truncated = not terminated and self._turn >= self.max_turns
+        info = {"success": success, "format_errors": self._format_errors, "turns": self._turn,
+                "format_error": a is None}
+        return obs, reward, terminated, truncated, info
+
+    def close(self) -> None:
+        self._env.close()

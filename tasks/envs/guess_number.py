@@ -1,0 +1,52 @@
+"""Guess the number: information arrives over turns as higher/lower replies.
+
+The secret is drawn from ``[low, high]`` by the reset seed. The agent answers with a number; a
+reply that is not a number in range is a format error (``-format_penalty``, turn spent).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+_NUM_RE = re.compile(r"^\s*(-?\d{1,6})\b")
+
+
+class GuessNumber:
+    def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1):
+        if low >= high:
+            raise ValueError("low must be below high")
+        self.low, self.high = low, high
+        self.max_turns = max_turns
+        self.format_penalty = format_penalty
+        self._secret = low
+        self._turn = 0
+        self._format_errors = 0
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self._secret = random.Random(seed).randint(self.low, self.high)
+        self._turn = 0
+        self._format_errors = 0
+        return f"guess number between {self.low} and {self.high}", {"success": False}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._turn += 1
+        m = _NUM_RE.match(action or "") if len(action or "") <= 256 else None
+        guess = int(m.group(1)) if m else None
+        reward, terminated = 0.0, False
+        if guess is None or not self.low <= guess <= self.high:
+            self._format_errors += 1
+            reward = -self.format_penalty
+            obs = f"invalid action . guess number between {self.low} and {self.high}"
+        elif guess == self._secret:
+            reward, terminated, obs = 1.0, True, "correct"
+        else:
+            obs = "higher" if self._secret > guess else "lower"
+        truncated = not terminated and self._turn >= self.max_turns
+        info = {"success": terminated, "format_errors": self._format_errors, "turns": self._turn,
+                "format_error": guess is None}
+        return obs, reward, terminated, truncated, info
+
+    def close(self) -> None:
+        pass

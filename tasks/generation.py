@@ -1,0 +1,83 @@
+"""prefill and decode: the two halves of one turn of generation.
+
+``prefill`` (compute-bound) reads the turn's new tokens after the cache so far and returns only
+their KV plus the last position's logits. ``decode`` (bandwidth-bound) samples from those logits
+and continues token by token, running only the tokens it sampled itself. No token's KV is
+computed twice: the last sampled token is left pending and read by the next turn's prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tasks.records import DecodeOutput, EnvObservation, PrefillOutput, SamplingParams, TurnSample
+
+
+def prefill(engine, past: DecodeOutput | None, observation: EnvObservation) -> PrefillOutput:
+    """KV for ``past.pending_ids + observation.input_ids`` (new tokens only) and last logits."""
+    new_ids = (past.pending_ids if past is not None else []) + list(observation.input_ids)
+    res = engine.forward(past.kv if past is not None else None, new_ids)
+    return PrefillOutput(
+        kv_new=res.kv_new.numpy(), last_logits=res.last_logits.numpy(),
+        n_past=past.n_tokens if past is not None else 0, n_new=len(new_ids),
+        policy_version=res.version,
+    )
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator) -> tuple[int, float]:
+    """Sample one token; returns it and its log-prob under the sampling distribution."""
+    if params.greedy:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = int(torch.argmax(logp))
+        return tok, float(logp[tok])
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return tok, float(logp[tok])
+
+
+def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokenizer,
+           params: SamplingParams, stop_ids: list[int], max_context: int, seed: int) -> DecodeOutput:
+    """Sample the turn's response starting from prefill's logits.
+
+    The cache grows on this worker: ``past.kv`` (already here when the router keeps a
+    trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'.
+    """
+    parts = [past.kv] if past is not None else []
+    kv = torch.from_numpy(np.concatenate(parts + [prefill_out.kv_new], axis=3))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.from_numpy(prefill_out.last_logits)
+    version = prefill_out.policy_version
+    tokens, logprobs, versions = [], [], []
+    processed = 0
+    stopped = context_full = False
+    while True:
+        tok, lp = sample_token(logits, params, gen)
+        tokens.append(tok)
+        logprobs.append(lp)
+        versions.append(version)
+        if tok in stop_ids:
+            stopped = True
+            break
+        if kv.shape[3] + 1 >= max_context:
+            context_full = True
+            break
+        if len(tokens) >= params.max_new_tokens:
+            break
+        res = engine.forward(kv, [tok])
+        processed += 1
+        kv = torch.cat([kv, res.kv_new], dim=3)
+        logits, version = res.last_logits, res.version
+    text_ids = tokens[:-1] if stopped else tokens
+    sample = TurnSample(
+        token_ids=tokens, logprobs=logprobs, versions=versions,
+        text=tokenizer.decode(text_ids, skip_special_tokens=True), stopped=stopped,
+        context_full=context_full, decode_tokens_processed=processed,
+    )
+    return DecodeOutput(kv=kv.numpy(), pending_ids=[tokens[-1]], sample=sample)
+
+
+def response_of(decoded: DecodeOutput) -> TurnSample:
+    """The small part of a decode output, extracted where it lives so the cache stays put."""
+    return decoded.sample

@@ -1,0 +1,205 @@
+"""Typed records passed between tasks.
+
+KV caches travel as one float32 numpy array shaped ``[layers, 2 (k|v), kv_heads, tokens,
+head_dim]``: numpy arrays cross Dask as zero-copy frames, while bf16 or CUDA torch tensors do not
+serialise there (see LIBRARY-FACTS, "Moving large tensors between workers").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def empty_kv(layers: int, kv_heads: int, head_dim: int) -> np.ndarray:
+    return np.zeros((layers, 2, kv_heads, 0, head_dim), dtype=np.float32)
+
+
+@dataclass
+class PrefillOutput:
+    """KV of this turn's new tokens only, and the logits at the last position.
+
+    kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab].
+    """
+
+    kv_new: np.ndarray
+    last_logits: np.ndarray
+    n_past: int
+    n_new: int
+    policy_version: int
+
+    @property
+    def kv_nbytes(self) -> int:
+        return int(self.kv_new.nbytes)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    max_new_tokens: int = 4
+    greedy: bool = False
+
+
+@dataclass
+class TurnSample:
+    """What the policy said in one turn. Small: this is what crosses to the environment.
+
+    logprobs[i] and versions[i] are those of the forward pass that actually sampled token i.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str
+    stopped: bool  # ended on a stop token
+    context_full: bool  # hit the context limit
+    decode_tokens_processed: int  # tokens decode ran through the model (not prefill's)
+
+
+@dataclass
+class DecodeOutput:
+    """The trajectory's cache after this turn, and the sample.
+
+    kv: [layers, 2, kv_heads, tokens, head_dim] for every token so far except ``pending_ids``,
+    the last sampled token, which the next turn's prefill reads first.
+    """
+
+    kv: np.ndarray
+    pending_ids: list[int]
+    sample: TurnSample
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.kv.shape[3])
+
+
+@dataclass(frozen=True)
+class EnvHandle:
+    """An environment instance living in the registry of one worker."""
+
+    worker: str
+    instance_id: str
+
+
+@dataclass
+class EnvObservation:
+    """Result of env_reset / env_step, plus the tokens the next prefill must read."""
+
+    handle: EnvHandle
+    text: str
+    input_ids: list[int]
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+    sample: TurnSample | None = None  # the action that produced this observation
+    consumed_ids: list[int] = field(default_factory=list)  # the ids read before that action
+    step_seconds: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+@dataclass
+class Trajectory:
+    """One finished episode, assembled by the driver from its turns.
+
+    token_ids, loss_mask, behaviour_logprobs, versions: [T]. loss_mask is True only on tokens
+    the policy generated; versions is -1 elsewhere.
+    """
+
+    traj_id: str
+    group_id: str
+    env_name: str
+    seed: int
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    versions: np.ndarray
+    env_rewards: list[float]
+    responses: list[str]
+    info: dict
+    num_turns: int
+    truncated: bool  # ended by the context limit or max_turns, not by the environment
+    context_truncated: bool
+    reward: float | None = None
+    reward_details: dict = field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        gen = self.versions[self.loss_mask]
+        return int(gen.min()) if gen.size else 0
+
+    @property
+    def success(self) -> bool:
+        return bool(self.info.get("success", False))
+
+
+@dataclass
+class ScoreRequest:
+    """JSON-able request for one trajectory's reward (crosses the Lambda boundary as JSON)."""
+
+    id: str
+    idempotency_key: str
+    reward_fn: str
+    env_name: str
+    env_rewards: list[float]
+    responses: list[str]
+    info: dict
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ScoreResult:
+    id: str
+    score: float | None
+    details: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class TrainSample:
+    """One trajectory as the trainer sees it. Arrays are [T]."""
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    advantage: float
+
+
+@dataclass
+class TrainBatch:
+    samples: list[TrainSample]
+    policy_version: int
+
+
+@dataclass
+class TrainStats:
+    policy_version: int  # version after the step
+    loss: float
+    pg_clipfrac: float
+    tis_mean: float
+    kl_behaviour: float
+    entropy: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+    def log(self, prefix: str = "train") -> dict[str, float]:
+        return {f"{prefix}/{k}": float(v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class WeightsSnapshot:
+    """Published weights: float32 numpy arrays by parameter name."""
+
+    version: int
+    state: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.state.values()))

@@ -1,0 +1,139 @@
+"""The policy trainer: lives on the TRAINER worker, owns the weights and the optimiser."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.losses import decoupled_ppo_loss
+from tasks.policy import save_policy
+from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
+
+
+class TrainerHParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(default=2e-3, gt=0, description="Adam learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm")
+    ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch")
+    minibatches: int = Field(default=1, ge=1, description="Optimiser steps per pass")
+    clip_eps: float = Field(default=0.2, gt=0, description="PPO ratio clip")
+    tis_cap: float = Field(default=2.0, gt=0, description="Truncation of the behaviour IS weight")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (log-probs)")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus coefficient")
+
+
+class PolicyTrainer:
+    def __init__(self, model, tokenizer, hp: TrainerHParams, seed: int = 0):
+        self.model, self.tokenizer, self.hp = model, tokenizer, hp
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr,
+                                           weight_decay=hp.weight_decay)
+        self.version = 0
+        torch.manual_seed(seed)
+
+    def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy."""
+        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
+        logp_all = torch.log_softmax(logits[:, :-1] / self.hp.temperature, dim=-1)
+        tok = torch.gather(logp_all, 2, ids[:, 1:, None]).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        pad = torch.zeros(ids.shape[0], 1)
+        return torch.cat([pad, tok], 1), torch.cat([pad, ent], 1)
+
+    def train_step(self, batch: TrainBatch) -> TrainStats:
+        t0 = time.perf_counter()
+        if batch.policy_version != self.version:
+            raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
+        S = batch.samples
+        T = max(len(s.token_ids) for s in S)
+        ids = torch.zeros(len(S), T, dtype=torch.long)
+        attn = torch.zeros(len(S), T, dtype=torch.long)
+        mask = torch.zeros(len(S), T, dtype=torch.bool)
+        behav = torch.zeros(len(S), T)
+        for i, s in enumerate(S):
+            n = len(s.token_ids)
+            ids[i, :n] = torch.from_numpy(np.asarray(s.token_ids, dtype=np.int64))
+            attn[i, :n] = 1
+            mask[i, :n] = torch.from_numpy(np.asarray(s.loss_mask, dtype=bool))
+            behav[i, :n] = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
+        adv = torch.tensor([s.advantage for s in S], dtype=torch.float32)
+        with torch.no_grad():
+            prox, _ = self._logprobs(ids, attn)
+        stats = []
+        order = list(range(len(S)))
+        for _ in range(self.hp.ppo_epochs):
+            random.shuffle(order)
+            for mb in np.array_split(np.array(order), self.hp.minibatches):
+                if len(mb) == 0:
+                    continue
+                idx = torch.from_numpy(mb)
+                logp, ent = self._logprobs(ids[idx], attn[idx])
+                out = decoupled_ppo_loss(logp, prox[idx], behav[idx], adv[idx], mask[idx],
+                                         self.hp.clip_eps, self.hp.tis_cap)
+                m = mask[idx].float()
+                entropy = (ent * m).sum() / m.sum().clamp(min=1)
+                loss = out.loss - self.hp.entropy_coef * entropy
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.max_grad_norm)
+                self.optimizer.step()
+                stats.append((float(loss.detach()), out.clipfrac, out.tis_mean, out.kl_behaviour,
+                              float(entropy.detach()), float(gn)))
+        self.version += 1
+        mean = np.mean(np.array(stats), axis=0)
+        return TrainStats(policy_version=self.version, loss=mean[0], pg_clipfrac=mean[1],
+                          tis_mean=mean[2], kl_behaviour=mean[3], entropy=mean[4],
+                          grad_norm=mean[5], tokens=int(mask.sum()),
+                          seconds=time.perf_counter() - t0)
+
+    def export_weights(self) -> WeightsSnapshot:
+        state = {k: v.detach().cpu().float().numpy().copy()
+                 for k, v in self.model.state_dict().items()}
+        return WeightsSnapshot(self.version, state)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, run_dir: str) -> str:
+        """Final policy as a Hugging Face directory plus a resumable checkpoint."""
+        run = Path(run_dir)
+        save_policy(self.model, self.tokenizer, run / "policy")
+        ckpt = run / "checkpoint.pt"
+        torch.save({
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "version": self.version, "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+        }, ckpt)
+        return str(ckpt)
+
+    def load_checkpoint(self, path: str) -> int:
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        return self.version
+
+
+def train_step(trainer: PolicyTrainer, batch: TrainBatch) -> TrainStats:
+    return trainer.train_step(batch)
+
+
+def publish_weights(trainer: PolicyTrainer) -> WeightsSnapshot:
+    return trainer.export_weights()
+
+
+def save_checkpoint(trainer: PolicyTrainer, run_dir: str) -> str:
+    return trainer.save_checkpoint(run_dir)
+
+
+def load_weights(engine, snapshot: WeightsSnapshot) -> int:
+    """Switch an inference engine to published weights (at its next safe point)."""
+    return engine.load_weights(snapshot.state, snapshot.version)
