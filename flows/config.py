@@ -32,7 +32,7 @@ class _Strict(BaseModel):
 
 class SamplingConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature")
-    max_new_tokens: int = Field(default=2, ge=1, description="Response tokens per turn at most")
+    max_new_tokens: int = Field(default=16, ge=1, description="Response tokens per turn at most")
 
 
 class EnvTaskConfig(_Strict):
@@ -42,6 +42,8 @@ class EnvTaskConfig(_Strict):
     group_size: int = Field(default=8, ge=2, description="Trajectories per group (same seed)")
     reward: str = Field(default="tasks.rewards.env_return", description="Reward function path")
     seed_range: int = Field(default=1_000_000, ge=1, description="Training seeds drawn below this")
+    sampling: SamplingConfig | None = Field(default=None,
+                                            description="Overrides rollout.sampling for this task")
 
     @field_validator("env")
     @classmethod

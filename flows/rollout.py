@@ -67,8 +67,9 @@ class RolloutDriver:
 
     def __init__(self, client: Client, cfg: TrainConfig, router: Router, stop_ids: list[int]):
         self.client, self.cfg, self.router, self.stop_ids = client, cfg, router, stop_ids
-        self.sampling = SamplingParams(temperature=cfg.rollout.sampling.temperature,
-                                       max_new_tokens=cfg.rollout.sampling.max_new_tokens)
+        self.sampling = {t.name: SamplingParams(temperature=sc.temperature,
+                                                max_new_tokens=sc.max_new_tokens)
+                         for t in cfg.env_tasks for sc in [t.sampling or cfg.rollout.sampling]}
         self.live: dict[int, TrajectoryState] = {}
         self.step_futures: dict[str, int] = {}  # env_step key -> trajectory id
         self.started = 0
@@ -115,7 +116,7 @@ class RolloutDriver:
                            worker=st.prefill_worker, key=f"prefill-{suffix}")
         dec = self._submit(
             Stage.DECODE, with_engine_tokenizer, decode, pre, st.last_decode,
-            params=self.sampling, stop_ids=self.stop_ids, max_context=self.cfg.policy.max_context,
+            params=self.sampling[st.task.name], stop_ids=self.stop_ids, max_context=self.cfg.policy.max_context,
             seed=_seed(self.cfg.seed, st.traj_id, st.turn, st.attempt),
             worker=st.decode_worker, key=f"decode-{suffix}")
         resp = self._submit(Stage.RESPONSE, plain, response_of, dec, worker=st.decode_worker,
@@ -150,7 +151,7 @@ class RolloutDriver:
         st.turn += 1
         context_limited = s.context_full or (
             not obs.done
-            and len(st.tokens) + len(obs.input_ids) + self.sampling.max_new_tokens
+            and len(st.tokens) + len(obs.input_ids) + self.sampling[st.task.name].max_new_tokens
             > self.cfg.policy.max_context)
         if obs.done or context_limited:
             if context_limited and not obs.done:

@@ -2,8 +2,8 @@
 
 ``prefill`` (compute-bound) reads the turn's new tokens after the cache so far and returns only
 their KV plus the last position's logits. ``decode`` (bandwidth-bound) samples from those logits
-and continues token by token, running only the tokens it sampled itself. No token's KV is
-computed twice: the last sampled token is left pending and read by the next turn's prefill.
+and continues token by token, running only the tokens it sampled itself, so the cache it leaves
+covers the whole conversation so far. No token's KV is computed twice.
 """
 
 from __future__ import annotations
@@ -57,17 +57,17 @@ def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokeni
         tokens.append(tok)
         logprobs.append(lp)
         versions.append(version)
-        if tok in stop_ids:
-            stopped = True
-            break
+        stopped = tok in stop_ids
         if kv.shape[3] + 1 >= max_context:
-            context_full = True
+            context_full = True  # the trajectory ends here; the token is never read back
             break
-        if len(tokens) >= params.max_new_tokens:
-            break
+        # Run the sampled token so the cache left here is complete: the next turn's prefill
+        # reads only the new observation tokens.
         res = engine.forward(kv, [tok])
         processed += 1
         kv = torch.cat([kv, res.kv_new], dim=3)
+        if stopped or len(tokens) >= params.max_new_tokens:
+            break
         logits, version = res.last_logits, res.version
     text_ids = tokens[:-1] if stopped else tokens
     sample = TurnSample(
@@ -75,7 +75,8 @@ def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokeni
         text=tokenizer.decode(text_ids, skip_special_tokens=True), stopped=stopped,
         context_full=context_full, decode_tokens_processed=processed,
     )
-    return DecodeOutput(kv=kv.numpy(), pending_ids=[tokens[-1]], sample=sample)
+    pending = [tokens[-1]] if context_full else []
+    return DecodeOutput(kv=kv.numpy(), pending_ids=pending, sample=sample)
 
 
 def response_of(decoded: DecodeOutput) -> TurnSample:

@@ -29,7 +29,7 @@ WORDS = (
     "you are at row col on a frozen lake reach the goal G without falling into hole H "
     "move left down right up reply with one word fell in reached invalid action turn turns "
     "guess number between and it is higher lower correct out of game over S F P / "
-    "yes no ok stop start wall box push solved answer think , . : ?"
+    "cell yes no ok stop start wall box push solved answer think , . : ?"
 ).split()
 NUMBERS = [str(i) for i in range(0, 33)]
 

@@ -61,8 +61,8 @@ class TurnSample:
 class DecodeOutput:
     """The trajectory's cache after this turn, and the sample.
 
-    kv: [layers, 2, kv_heads, tokens, head_dim] for every token so far except ``pending_ids``,
-    the last sampled token, which the next turn's prefill reads first.
+    kv: [layers, 2, kv_heads, tokens, head_dim] for every token so far except ``pending_ids``
+    (non-empty only when the context limit stopped decoding), which a next prefill reads first.
     """
 
     kv: np.ndarray

@@ -18,11 +18,11 @@ from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
 class TrainerHParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(default=2e-3, gt=0, description="Adam learning rate")
+    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm")
     ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch")
-    minibatches: int = Field(default=1, ge=1, description="Optimiser steps per pass")
+    minibatches: int = Field(default=4, ge=1, description="Optimiser steps per pass")
     clip_eps: float = Field(default=0.2, gt=0, description="PPO ratio clip")
     tis_cap: float = Field(default=2.0, gt=0, description="Truncation of the behaviour IS weight")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (log-probs)")

@@ -26,10 +26,11 @@ def parse_action(text: str) -> int | None:
 
 
 class FrozenLakeText:
-    """FrozenLake with text observations; ``observation='grid'`` shows the whole map."""
+    """FrozenLake with text observations: ``position`` (row and column), ``cell`` (the cell's
+    index, the easiest for a policy trained from scratch) or ``grid`` (the whole map)."""
 
     def __init__(self, map_name: str = "4x4", is_slippery: bool = False, max_turns: int = 10,
-                 format_penalty: float = 0.1, observation: Literal["position", "grid"] = "position"):
+                 format_penalty: float = 0.1, observation: Literal["position", "cell", "grid"] = "position"):
         self._env = gym.make("FrozenLake-v1", map_name=map_name, is_slippery=is_slippery)
         self._desc = [[c.decode() for c in row] for row in self._env.unwrapped.desc]
         self.ncol = len(self._desc[0])
@@ -42,6 +43,8 @@ class FrozenLakeText:
 
     def _describe(self) -> str:
         row, col = divmod(self._state, self.ncol)
+        if self.observation == "cell":
+            return f"you are at cell {self._state}"
         if self.observation == "grid":
             cells = [["P" if r * self.ncol + c == self._state else ch for c, ch in enumerate(line)]
                      for r, line in enumerate(self._desc)]

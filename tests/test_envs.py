@@ -1,0 +1,75 @@
+"""Environments: GEM-style API, parsing with format penalty, success, max_turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.envs.base import TextEnv
+from tasks.envs.frozenlake import FrozenLakeText, parse_action
+from tasks.envs.guess_number import GuessNumber
+
+OPTIMAL = ["right", "right", "down", "down", "down", "right"]
+
+
+def test_frozenlake_follows_protocol_and_solves():
+    env = FrozenLakeText()
+    assert isinstance(env, TextEnv)
+    obs, info = env.reset(seed=0)
+    assert "row 0 col 0" in obs and info["success"] is False
+    for i, a in enumerate(OPTIMAL):
+        obs, r, term, trunc, info = env.step(a)
+        assert trunc is False
+        assert term is (i == len(OPTIMAL) - 1)
+    assert r == 1.0 and info["success"] and obs == "reached the goal"
+
+
+def test_frozenlake_hole_ends_without_reward():
+    env = FrozenLakeText()
+    env.reset(seed=0)
+    env.step("down")
+    obs, r, term, _, info = env.step("right")  # (1,1) is a hole on the 4x4 map
+    assert term and r == 0.0 and not info["success"] and "hole" in obs
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("left", 0), ("Down", 1), ("  right please", 2), ("up", 3),
+    ("", None), ("lefty", None), ("go left", None), ("x" * 1000, None), ("<unk>", None),
+])
+def test_frozenlake_parser(text, expected):
+    assert parse_action(text) == expected
+
+
+def test_frozenlake_format_penalty_and_max_turns():
+    env = FrozenLakeText(max_turns=3, format_penalty=0.25)
+    env.reset(seed=0)
+    obs, r, term, trunc, info = env.step("jump")
+    assert r == -0.25 and not term and not trunc and "invalid" in obs and info["format_errors"] == 1
+    env.step("left")
+    _, _, term, trunc, info = env.step("up")
+    assert trunc and not term and info["turns"] == 3 and not info["success"]
+
+
+def test_frozenlake_grid_observation():
+    env = FrozenLakeText(observation="grid")
+    obs, _ = env.reset(seed=0)
+    assert "P F F F / F H F H" in obs
+
+
+def test_guess_number_deterministic_and_feedback():
+    env = GuessNumber(low=1, high=8, max_turns=4)
+    assert env.reset(seed=5) == GuessNumber(low=1, high=8).reset(seed=5)
+    secret = env._secret
+    if secret < 8:
+        obs, r, term, _, _ = env.step(str(secret + 1))
+        assert obs == "lower" and r == 0 and not term
+    obs, r, term, _, info = env.step(str(secret))
+    assert term and r == 1.0 and info["success"]
+
+
+def test_guess_number_malformed():
+    env = GuessNumber(low=1, high=8, max_turns=2, format_penalty=0.1)
+    env.reset(seed=1)
+    _, r, term, trunc, info = env.step("banana")
+    assert r == -0.1 and info["format_errors"] == 1 and not term
+    _, r, term, trunc, info = env.step("99")  # out of range is malformed too
+    assert trunc and info["format_errors"] == 2

@@ -1,0 +1,88 @@
+"""Pure orchestration decisions: admission, collector batching, staleness, routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flows.orchestration import AdmissionState, GroupCollector, Router, groups_to_admit
+from tasks.records import Trajectory
+
+
+def _state(**kw):
+    base = dict(mode="async", policy_version=0, rolling_out=0, unconsumed=0,
+                batch_trajectories=32, window_batches=2, max_in_flight=64, trainer_busy=False,
+                weights_syncing=False, stopping=False)
+    return AdmissionState(**(base | kw))
+
+
+def test_async_admission_bounded_by_window_and_in_flight():
+    assert groups_to_admit(_state(), 8) == 8  # 2 batches of 32 = 64 trajectories
+    assert groups_to_admit(_state(unconsumed=60), 8) == 0
+    assert groups_to_admit(_state(unconsumed=40, rolling_out=40), 8) == 3
+    assert groups_to_admit(_state(max_in_flight=16), 8) == 2
+    assert groups_to_admit(_state(stopping=True), 8) == 0
+    # async keeps admitting while the trainer trains
+    assert groups_to_admit(_state(trainer_busy=True, weights_syncing=True), 8) == 8
+
+
+def test_sync_admission_is_a_barrier():
+    assert groups_to_admit(_state(mode="sync"), 8) == 4
+    assert groups_to_admit(_state(mode="sync", unconsumed=1), 8) == 0
+    assert groups_to_admit(_state(mode="sync", trainer_busy=True), 8) == 0
+    assert groups_to_admit(_state(mode="sync", weights_syncing=True), 8) == 0
+
+
+def _traj(tid, gid, reward, versions):
+    n = len(versions)
+    return Trajectory(
+        traj_id=str(tid), group_id=gid, env_name="e", seed=0,
+        token_ids=np.arange(n + 2), loss_mask=np.array([False, False] + [True] * n),
+        behaviour_logprobs=np.zeros(n + 2, dtype=np.float32),
+        versions=np.array([-1, -1] + versions), env_rewards=[reward], responses=[], info={},
+        num_turns=1, truncated=False, context_truncated=False, reward=reward)
+
+
+def test_collector_cuts_batches_from_completed_groups_without_waiting_for_stragglers():
+    c = GroupCollector()
+    for g in ("a", "b", "c"):
+        c.open_group(g, "e", 2)
+    c.add(_traj(0, "a", 1.0, [0]))  # a waits for a straggler
+    c.add(_traj(1, "b", 1.0, [0]))
+    c.add(_traj(2, "b", 0.0, [0]))
+    c.add(_traj(3, "c", 0.0, [0]))
+    c.add(_traj(4, "c", 1.0, [0]))
+    d = c.take_batch(2, trainer_version=0, max_staleness=2)
+    assert d is not None and {t.group_id for t in d.trajectories} == {"b", "c"}
+    assert sorted(s.advantage for s in d.samples) == pytest.approx([-1, -1, 1, 1], abs=1e-4)
+    assert c.take_batch(1, 0, 2) is None and c.open_groups == 1
+
+
+def test_stale_trajectories_are_dropped_not_trained():
+    c = GroupCollector()
+    c.open_group("a", "e", 3)
+    c.add(_traj(0, "a", 1.0, [5, 5]))
+    c.add(_traj(1, "a", 0.0, [2, 6]))  # oldest token v2: staleness 7 - 2 = 5
+    c.add(_traj(2, "a", 0.5, [6]))
+    d = c.take_batch(1, trainer_version=7, max_staleness=2)
+    assert [t.traj_id for t in d.stale] == ["1"]
+    assert {t.traj_id for t in d.trajectories} == {"0", "2"}
+    assert max(d.staleness) <= 2
+
+
+def test_group_left_with_one_member_is_dropped_whole():
+    c = GroupCollector()
+    c.open_group("a", "e", 2)
+    c.add(_traj(0, "a", 1.0, [0]))
+    c.drop_member("a")
+    assert c.ready_groups == 0 and [t.traj_id for t in c.orphans] == ["0"]
+
+
+def test_router_prefers_affinity_then_least_loaded():
+    r = Router({"GPU_BANDWIDTH": ["w1", "w2"]})
+    r.started("w1")
+    assert r.choose("GPU_BANDWIDTH") == "w2"
+    assert r.choose("GPU_BANDWIDTH", prefer="w1") == "w1"
+    assert r.choose("GPU_BANDWIDTH", prefer="elsewhere") == "w2"
+    with pytest.raises(LookupError):
+        r.choose("TRAINER")
