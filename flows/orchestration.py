@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from tasks.losses import group_advantages
-from tasks.records import Trajectory, TrainSample
+from tasks.records import TrainSample, Trajectory
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,11 @@ class GroupCollector:
     @property
     def open_groups(self) -> int:
         return len(self._open)
+
+    @property
+    def open_members(self) -> int:
+        """Finished trajectories waiting for the rest of their group."""
+        return sum(len(g.members) for g in self._open.values())
 
     def take_batch(self, groups: int, trainer_version: int, max_staleness: int,
                    force: bool = False) -> BatchDecision | None:

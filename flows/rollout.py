@@ -134,11 +134,11 @@ class RolloutDriver:
             self.router.finished(w)
 
     # -- completion -------------------------------------------------------------------------
-    def on_step(self, fut: Future) -> tuple[Trajectory | None, Future | None]:
-        """Handle a finished env_step: returns (finished trajectory, next turn's future)."""
+    def on_step(self, fut: Future, obs: EnvObservation) -> tuple[Trajectory | None, Future | None]:
+        """Handle a finished env_step and its result: returns (finished trajectory, next turn's
+        future)."""
         st = self.live[self.step_futures.pop(fut.key)]
         self._release(st)
-        obs: EnvObservation = fut.result()
         s = obs.sample
         st.handle = obs.handle
         st.tokens += obs.consumed_ids + s.token_ids
@@ -189,7 +189,7 @@ class RolloutDriver:
         group id of a dropped trajectory)."""
         st = self.live[self.step_futures.pop(fut.key)]
         self._release(st)
-        exc = fut.exception()
+        exc = fut.exception() if fut.status == "error" else RuntimeError(f"{fut.status}: result lost")
         reason = f"error:{type(exc).__name__}"
         logger.warning("trajectory %s attempt %d failed: %s", st.traj_id, st.attempt, exc)
         self.close_env(st)

@@ -135,16 +135,13 @@ class TrainingRun:
         s = self.state
         unconsumed = (len(self.driver.live) + len(s.pending_score)
                       + sum(len(v) for v in s.scoring.values())
-                      + self.collector.ready_trajectories + self._open_group_members())
+                      + self.collector.ready_trajectories + self.collector.open_members)
         return AdmissionState(
             mode=self.cfg.mode, policy_version=s.version, rolling_out=len(self.driver.live),
             unconsumed=unconsumed, batch_trajectories=int(round(self.batch_trajectories)),
             window_batches=self.cfg.window_batches, max_in_flight=self.cfg.rollout.max_in_flight,
             trainer_busy=s.trainer_busy, weights_syncing=s.loads_pending > 0,
             stopping=self.driver.stopping)
-
-    def _open_group_members(self) -> int:
-        return sum(len(g.members) for g in self.collector._open.values())
 
     def _admit(self) -> None:
         weights = [t.weight for t in self.cfg.env_tasks]
@@ -215,8 +212,8 @@ class TrainingRun:
             self.collector.orphans.clear()
 
     # -- completions ------------------------------------------------------------------------
-    def _on_step(self, fut: Future) -> None:
-        if fut.status != "finished":
+    def _on_step(self, fut: Future, result) -> None:
+        if fut.status != "finished" or result is None:
             nxt, dropped_group = self.driver.on_error(fut)
             if nxt is not None:
                 self._track(nxt, "step")
@@ -224,20 +221,20 @@ class TrainingRun:
                 self.collector.drop_member(dropped_group)
                 self._drop_orphans()
             return
-        traj, nxt = self.driver.on_step(fut)
+        traj, nxt = self.driver.on_step(fut, result)
         if nxt is not None:
             self._track(nxt, "step")
         elif traj is not None:
             self.state.finished += 1
             self.state.pending_score.append(traj)
 
-    def _on_score(self, fut: Future) -> None:
+    def _on_score(self, fut: Future, result) -> None:
         batch = self.state.scoring.pop(fut.key)
         if fut.status != "finished":
             results = [None] * len(batch)
             err = f"reward_error:{type(fut.exception()).__name__}"
         else:
-            results, err = fut.result(), None
+            results, err = result, None
         for traj, res in zip(batch, results, strict=True):
             if res is None or res.score is None:
                 reason = err or "reward_error"
@@ -251,10 +248,11 @@ class TrainingRun:
                 self.collector.add(traj)
         self._drop_orphans()
 
-    def _on_train(self, fut: Future, progress: ProgressLine) -> None:
+    def _on_train(self, fut: Future, stats: TrainStats, progress: ProgressLine) -> None:
         s = self.state
         s.trainer_busy = False
-        stats: TrainStats = fut.result()  # a trainer failure ends the run loudly
+        if fut.status != "finished":  # a trainer failure ends the run loudly
+            raise RuntimeError(f"{fut.key} failed: {fut.exception()!r}")
         s.train_windows.append((s.train_submitted_at, time.perf_counter()))
         s.version = stats.policy_version
         metrics = {"train/step": s.version, **stats.log("train"), **(s.batch_info or {}),
@@ -306,28 +304,44 @@ class TrainingRun:
         self.t0 = time.perf_counter()
         self.last_metrics: dict = {}
         handlers = {"step": self._on_step, "score": self._on_score,
-                    "train": lambda f: self._on_train(f, progress), "load": self._on_load,
-                    "close": lambda f: None}
+                    "train": lambda f, r: self._on_train(f, r, progress), "load": self._on_load,
+                    "close": lambda f, r: None}
         while True:
-            self._admit()
             self._flush_scores()
             self._maybe_train()
+            self._admit()  # after a batch was cut: its room is refilled at once
             if self.ac.is_empty():
                 break
-            for fut in self.ac.next_batch(block=True):
-                handlers[self.state.kinds.pop(fut.key)](fut)
+            batch = self.ac.next_batch(block=True)
+            # one gather for the whole batch: a round trip per worker, not per future
+            results = self._gather(batch)
+            for fut in batch:
+                handlers[self.state.kinds.pop(fut.key)](fut, results.get(fut.key))
             while self.driver.closing:
                 self._track(self.driver.closing.pop(), "close")
         self._finish_unconsumed()
 
-    def _on_load(self, fut: Future) -> None:
+    def _gather(self, batch: list[Future]) -> dict:
+        done = [f for f in batch if f.status == "finished"]
+        try:
+            return dict(zip((f.key for f in done), self.client.gather(done), strict=True))
+        except Exception:  # a result was lost in between (worker died): fetch one by one
+            out = {}
+            for f in done:
+                try:
+                    out[f.key] = f.result(timeout=60)
+                except Exception:
+                    logger.warning("result of %s lost", f.key)
+            return out
+
+    def _on_load(self, fut: Future, result) -> None:
         self.state.loads_pending -= 1
         if fut.status != "finished":
             raise RuntimeError(f"weight load {fut.key} failed: {fut.exception()}")
 
     def _finish_unconsumed(self) -> None:
         """At the end, finished-but-untrained trajectories are counted as dropped (run_ended)."""
-        leftover = self.collector.ready_trajectories + self._open_group_members()
+        leftover = self.collector.ready_trajectories + self.collector.open_members
         self.driver.dropped["run_ended"] += leftover
         self._drop_orphans()
 

@@ -67,7 +67,7 @@ def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: b
                     "nthreads": pool.slots,
                     "resources": {str(t): pool.slots for t in tags[pool.name]},
                     "memory_limit": 0,
-                    **({"env": WORKER_ENV} if processes else {}),
+                    **({"env": WORKER_ENV, "silence_logs": logging.WARNING} if processes else {}),
                 },
             }
     return specs

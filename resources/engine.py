@@ -164,7 +164,7 @@ class InferenceEngine:
             if t:
                 kv[:, :, b, :, T - t :] = r.past
         cfg = self.model.config
-        cache = (DynamicCache(ddp_cache_data=[(kv[l, 0], kv[l, 1]) for l in range(self.layers)],
+        cache = (DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(self.layers)],
                               config=cfg) if T else DynamicCache(config=cfg))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, **{cache_kwarg(self.model): cache})

@@ -1,0 +1,95 @@
+"""On a real local Dask cluster (worker processes advertising pool tags): the KV hand-off moves
+the cache worker to worker, and stages land only on their pools."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from flows.config import load_config
+from flows.train import make_cluster
+from resources.pools import Stage, Tag, demand
+from resources.worker import (
+    RollArcWorkerPlugin,
+    plain,
+    with_engine,
+    with_engine_tokenizer,
+    with_envs,
+)
+from tasks.env_tasks import env_reset
+from tasks.generation import decode, prefill, response_of
+from tasks.policy import kv_geometry, load_tokenizer, stop_token_ids
+from tasks.records import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = load_config(overrides=["cluster.dashboard_port=0"])
+    handle = make_cluster(cfg, None)
+    handle.client.register_plugin(RollArcWorkerPlugin(policy=cfg.policy.model_dump(),
+                                                      trainer=cfg.trainer.hparams.model_dump()))
+    yield cfg, handle
+    handle.close()
+
+
+def _transfer_log(dask_worker):
+    return [dict(keys=dict(e["keys"]), total=e["total"], who=e["who"])
+            for e in dask_worker.transfer_incoming_log]
+
+
+def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
+    cfg, h = cluster
+    c = h.client
+    env_w, pre_w, dec_w = (h.workers_with(t)[0] for t in (Tag.CPU_ENV, Tag.GPU_COMPUTE,
+                                                           Tag.GPU_BANDWIDTH))
+    pids = c.run(os.getpid)
+    assert len({pids[env_w], pids[pre_w], pids[dec_w]}) == 3
+
+    tok = load_tokenizer(cfg.policy)
+    layers, kv_heads, head_dim = kv_geometry(policy[0])
+    per_token = layers * 2 * kv_heads * head_dim * 4  # float32 bytes
+    params = SamplingParams(max_new_tokens=3)
+    env_spec = cfg.env_tasks[0].env
+
+    def sub(stage, adapter, fn, *args, worker, **kw):
+        return c.submit(adapter, fn, *args, workers=[worker], allow_other_workers=False,
+                        resources=demand(stage), pure=False, key=f"{stage.value}-kvtest-{len(kw)}-"
+                        f"{np.random.randint(1 << 30)}", **kw)
+
+    obs = sub(Stage.ENV_RESET, with_envs, env_reset, env_spec, 0, None, worker=env_w)
+    pre0 = sub(Stage.PREFILL, with_engine, prefill, None, obs, worker=pre_w)
+    dec0 = sub(Stage.DECODE, with_engine_tokenizer, decode, pre0, None, params=params,
+               stop_ids=stop_token_ids(tok), max_context=256, seed=0, worker=dec_w)
+    sample0 = sub(Stage.RESPONSE, plain, response_of, dec0, worker=dec_w).result()
+    n_prompt = len(obs.result().input_ids)
+    # decode ran exactly the tokens it sampled; prefill's were the prompt's
+    assert sample0.decode_tokens_processed == len(sample0.token_ids)
+    # second turn: the cache comes back from the decode worker to the prefill worker
+    pre1 = sub(Stage.PREFILL, with_engine, prefill, dec0, obs, worker=pre_w)
+    dec1 = sub(Stage.DECODE, with_engine_tokenizer, decode, pre1, dec0, params=params,
+               stop_ids=stop_token_ids(tok), max_context=256, seed=1, worker=dec_w)
+    dec1_tokens = c.submit(lambda d: d.n_tokens, dec1, workers=[dec_w], pure=False,
+                           resources=demand(Stage.RESPONSE)).result()
+    n0 = n_prompt + len(sample0.token_ids)
+    assert dec1_tokens == n0 + n_prompt + len(c.submit(
+        lambda d: d.sample.token_ids, dec1, workers=[dec_w], pure=False,
+        resources=demand(Stage.RESPONSE)).result())
+
+    logs = c.run(_transfer_log)
+    vocab = len(tok)
+    # prefill -> decode: the new tokens' KV plus one row of logits
+    moved = [e for e in logs[dec_w] if pre0.key in e["keys"]]
+    assert moved and moved[0]["who"] == pre_w
+    expect = n_prompt * per_token + vocab * 4
+    assert expect <= moved[0]["keys"][pre0.key] <= expect * 1.1 + 2048
+    # decode -> prefill: the whole cache so far
+    back = [e for e in logs[pre_w] if dec0.key in e["keys"]]
+    assert back and back[0]["who"] == dec_w
+    assert n0 * per_token <= back[0]["keys"][dec0.key] <= n0 * per_token * 1.1 + 4096
+    # decode's own past cache was already local: never fetched by the decode worker
+    assert not [e for e in logs[dec_w] if dec0.key in e["keys"]]
+    assert obs.key not in {k for e in logs[dec_w] for k in e["keys"]}

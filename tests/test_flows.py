@@ -1,0 +1,155 @@
+"""End-to-end runs of flows/train.py as a user runs them (tiny budgets), on real Dask processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.config import load_config
+from flows.metrics import NullSink, ProgressLine
+from flows.run import TrainingRun
+from flows.train import make_cluster
+from tasks.policy import PolicySpec, load_policy
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "flows" / "train.py")
+SHORT = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
+         "cluster.dashboard_port=0"]
+STAGE_POOL = {"prefill": "compute", "decode": "bandwidth", "response": "bandwidth",
+              "env_reset": "env", "env_step": "env", "score": "env", "train_step": "trainer",
+              "publish_weights": "trainer", "save_checkpoint": "trainer"}
+
+
+def _train(args, run_dir, timeout=600, env=None):
+    proc = subprocess.run([sys.executable, TRAIN, "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _check_accounting(summary):
+    t = summary["trajectories"]
+    assert t["started"] == t["trained"] + sum(t["dropped"].values()), t
+    assert t["trained"] > 0
+    assert summary["live_env_instances_at_end"] == 0
+
+
+def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
+    run = tmp_path / "run"
+    proc = _train(SHORT, run)
+    assert "Dask dashboard: http://" in proc.stdout
+    assert (run / "config.yaml").read_text().startswith("seed:")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/step"] for m in lines] == [1, 2]
+    for key in ("reward/mean", "env/frozenlake/success", "rollout/staleness_mean",
+                "perf/trajectories_per_s", "train/loss"):
+        assert key in lines[-1] or any(key in m for m in lines), key
+    summary = json.loads((run / "summary.json").read_text())
+    _check_accounting(summary)
+    # every stage ran only on its pool, as the scheduler recorded it
+    placement = summary["tasks_per_stage_per_pool"]
+    for stage, pool in STAGE_POOL.items():
+        assert set(placement[stage]) == {pool}, (stage, placement[stage])
+    assert set(placement["load_weights"]) == {"compute", "bandwidth"}
+    assert summary["score"]["invocations"] >= 1
+    # the final policy loads with the ordinary loader, and the checkpoint resumes
+    model, tok = load_policy(PolicySpec(path=str(run / "policy")))
+    assert model.config.vocab_size == len(tok)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["version"] == 2 and {"model", "optimizer", "torch_rng"} <= set(ckpt)
+
+    resumed = tmp_path / "resumed"
+    _train(SHORT[1:] + ["trainer.max_steps=3", f"trainer.resume_from={run / 'checkpoint.pt'}"],
+           resumed)
+    steps = [json.loads(x)["train/step"] for x in (resumed / "metrics.jsonl").read_text().split()]
+    assert steps == [3]
+
+
+@pytest.mark.parametrize("switches", [["mode=sync"], ["placement=monolithic"]],
+                         ids=["sync", "monolithic"])
+def test_baselines_run_through_the_same_flow(switches, tmp_path):
+    _train(SHORT + switches, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    _check_accounting(summary)
+    placement = summary["tasks_per_stage_per_pool"]
+    if "mode=sync" in switches:
+        assert max(json.loads(x)["rollout/staleness_max"]
+                   for x in (tmp_path / "run" / "metrics.jsonl").read_text().split()) == 0
+    else:
+        assert all(set(v) == {"monolithic"} for v in placement.values())
+
+
+def test_async_rollouts_overlap_training_and_staleness_is_bounded(tmp_path):
+    from distributed import get_task_stream
+
+    cfg = load_config(overrides=["trainer.max_steps=4", "trainer.groups_per_step=2",
+                                 "cluster.dashboard_port=0", "rollout.max_staleness=1"])
+    cluster = make_cluster(cfg, None)
+    try:
+        run = TrainingRun(cfg, cluster, tmp_path, NullSink())
+        run.setup()
+        with get_task_stream(cluster.client) as ts, ProgressLine(4, enabled=False) as progress:
+            run.run(progress)
+        summary = run.summary()
+    finally:
+        cluster.close()
+    _check_accounting(summary)
+    spans = {}
+    for rec in ts.data:
+        for ss in rec["startstops"]:
+            if ss["action"] == "compute":
+                spans.setdefault(rec["key"].split("-")[0], []).append((ss["start"], ss["stop"]))
+    trains = spans["train_step"]
+    rollout = spans["prefill"] + spans["decode"] + spans["env_step"]
+    overlapping = [t for t in trains if any(a < t[1] and b > t[0] for a, b in rollout)]
+    assert len(overlapping) >= 2, "rollouts should run while the trainer trains"
+    m = run.last_metrics
+    assert m["train/step"] == 4
+    assert summary["final_metrics"]["rollout/staleness_max"] <= 1
+
+
+def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
+    sched_file = tmp_path / "scheduler.json"
+    env = {**os.environ, "DASK_LOGGING__DISTRIBUTED": "warning"}
+    procs = [subprocess.Popen(["dask", "scheduler", "--host", "127.0.0.1", "--port", "0",
+                               "--dashboard-address", ":0", "--scheduler-file", str(sched_file)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.time() + 60
+        while not sched_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(sched_file.read_text())["address"]
+        for name, res, threads in [("compute-0", "GPU_COMPUTE=16", 16),
+                                   ("bandwidth-0", "GPU_BANDWIDTH=16", 16),
+                                   ("cpu-0", "CPU_ENV=16,TRAINER=2", 18)]:
+            procs.append(subprocess.Popen(
+                ["dask", "worker", address, "--name", name, "--nthreads", str(threads),
+                 "--resources", res, "--host", "127.0.0.1", "--no-dashboard"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        from distributed import Client
+
+        with Client(address, timeout=60) as c:
+            c.wait_for_workers(3, timeout=120)
+        _train(["--scheduler", address] + SHORT, tmp_path / "run")
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        _check_accounting(summary)
+        placement = summary["tasks_per_stage_per_pool"]
+        assert set(placement["prefill"]) == {"GPU_COMPUTE"}
+        assert set(placement["decode"]) == {"GPU_BANDWIDTH"}
+        assert set(placement["env_step"]) == {"CPU_ENV+TRAINER"}
+        assert set(placement["train_step"]) == {"CPU_ENV+TRAINER"}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)

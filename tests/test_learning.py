@@ -1,0 +1,49 @@
+"""Full-length runs of the default config: async/disaggregated learns FrozenLake, and so do the
+baselines. Minutes each on 2 cores: marked slow, run by .ci/run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
+
+
+def _run(tmp_path, *overrides):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "flows" / "train.py"), "--run-dir", str(run),
+                           "metrics.progress=false", "cluster.dashboard_port=0", *overrides],
+                          capture_output=True, text=True, timeout=1100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    return metrics, summary
+
+
+def _success(metrics, env="frozenlake", last=3):
+    vals = [m[f"env/{env}/success"] for m in metrics if f"env/{env}/success" in m]
+    return vals[:last], vals[-last:]
+
+
+def test_default_run_learns_frozenlake(tmp_path):
+    metrics, summary = _run(tmp_path)
+    first, final = _success(metrics)
+    assert max(first) <= 0.1
+    assert sum(final) / len(final) >= 0.8, final
+    assert summary["elapsed_s"] < 600
+    assert max(m["rollout/staleness_max"] for m in metrics) <= 2
+
+
+@pytest.mark.parametrize("switch", ["mode=sync", "placement=monolithic"])
+def test_baselines_learn_too(tmp_path, switch):
+    metrics, summary = _run(tmp_path, switch)
+    first, final = _success(metrics)
+    assert sum(final) / len(final) >= 0.5, final
+    t = summary["trajectories"]
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())
