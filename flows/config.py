@@ -55,9 +55,10 @@ class EnvTaskConfig(_Strict):
 
 class RolloutConfig(_Strict):
     max_staleness: int = Field(default=2, ge=0, description="Bound on trained staleness (steps)")
-    window_batches: int | None = Field(
-        default=None, ge=1,
-        description="Async: batches admitted ahead of the trainer (default max_staleness, min 1)")
+    window_batches: int = Field(
+        default=1, ge=1,
+        description="Async: batches admitted beyond those being trained; about the staleness "
+                    "admission aims for (max_staleness is the hard bound)")
     max_in_flight: int = Field(default=64, ge=1, description="Trajectories rolling out at once")
     score_batch_max: int = Field(default=32, ge=1, description="Trajectories per score call")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
@@ -127,10 +128,6 @@ class TrainConfig(_Strict):
         slots = max(p.slots for p in self.cluster.pools)
         return [PoolSpec(name="monolithic", profile=self.cluster.monolithic_profile, role=Role.ALL,
                          workers=total, slots=slots)]
-
-    @property
-    def window_batches(self) -> int:
-        return self.rollout.window_batches or max(1, self.rollout.max_staleness)
 
 
 def _parse_value(text: str) -> Any:

@@ -139,7 +139,7 @@ class TrainingRun:
         return AdmissionState(
             mode=self.cfg.mode, policy_version=s.version, rolling_out=len(self.driver.live),
             unconsumed=unconsumed, batch_trajectories=int(round(self.batch_trajectories)),
-            window_batches=self.cfg.window_batches, max_in_flight=self.cfg.rollout.max_in_flight,
+            window_batches=self.cfg.rollout.window_batches, max_in_flight=self.cfg.rollout.max_in_flight,
             trainer_busy=s.trainer_busy, weights_syncing=s.loads_pending > 0,
             stopping=self.driver.stopping)
 

@@ -33,6 +33,9 @@ class PrefillOutput:
     def kv_nbytes(self) -> int:
         return int(self.kv_new.nbytes)
 
+    def __sizeof__(self) -> int:  # what Dask's sizeof reports, for transfers and memory
+        return int(self.kv_new.nbytes + self.last_logits.nbytes) + 128
+
 
 @dataclass
 class SamplingParams:
@@ -72,6 +75,9 @@ class DecodeOutput:
     @property
     def n_tokens(self) -> int:
         return int(self.kv.shape[3])
+
+    def __sizeof__(self) -> int:
+        return int(self.kv.nbytes) + 64 * (len(self.sample.token_ids) + 4)
 
 
 @dataclass(frozen=True)
@@ -203,3 +209,6 @@ class WeightsSnapshot:
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.state.values()))
+
+    def __sizeof__(self) -> int:
+        return self.nbytes + 128 * len(self.state)

@@ -4,6 +4,7 @@ the cache worker to worker, and stages land only on their pools."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -79,6 +80,10 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
         lambda d: d.sample.token_ids, dec1, workers=[dec_w], pure=False,
         resources=demand(Stage.RESPONSE)).result())
 
+    # what actually crosses the wire: the serialised result, dominated by the cache
+    wire = c.submit(lambda p: len(pickle.dumps(p, protocol=5)), pre0, workers=[pre_w],
+                    pure=False, resources=demand(Stage.PREFILL)).result()
+    assert n_prompt * per_token <= wire <= n_prompt * per_token * 1.1 + 4096
     logs = c.run(_transfer_log)
     vocab = len(tok)
     # prefill -> decode: the new tokens' KV plus one row of logits

@@ -71,7 +71,7 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     resumed = tmp_path / "resumed"
     _train(SHORT[1:] + ["trainer.max_steps=3", f"trainer.resume_from={run / 'checkpoint.pt'}"],
            resumed)
-    steps = [json.loads(x)["train/step"] for x in (resumed / "metrics.jsonl").read_text().split()]
+    steps = [json.loads(x)["train/step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3]
 
 
@@ -84,7 +84,7 @@ def test_baselines_run_through_the_same_flow(switches, tmp_path):
     placement = summary["tasks_per_stage_per_pool"]
     if "mode=sync" in switches:
         assert max(json.loads(x)["rollout/staleness_max"]
-                   for x in (tmp_path / "run" / "metrics.jsonl").read_text().split()) == 0
+                   for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 0
     else:
         assert all(set(v) == {"monolithic"} for v in placement.values())
 
