@@ -52,7 +52,6 @@ class RunState:
     scoring: dict[str, list[Trajectory]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # future key -> kind
     batch_info: dict | None = None
-    stale_ages: list[int] = field(default_factory=list)
     train_windows: list[tuple[float, float]] = field(default_factory=list)
     train_submitted_at: float = 0.0
     groups: int = 0
@@ -92,7 +91,9 @@ class TrainingRun:
     def setup(self) -> None:
         self.client.register_plugin(PlacementRecorder())
         self.client.register_plugin(RollArcWorkerPlugin(
-            policy=self.cfg.policy.model_dump(), trainer=self.cfg.trainer.hparams.model_dump(),
+            policy=self.cfg.policy.model_dump(),
+            trainer=self.cfg.trainer.hparams.model_dump()
+            | {"total_steps": self.cfg.trainer.hparams.total_steps or self.cfg.trainer.max_steps},
             seed=self.cfg.seed))
         if self.cfg.trainer.resume_from:
             from tasks.trainer import PolicyTrainer

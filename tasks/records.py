@@ -192,6 +192,7 @@ class TrainStats:
     kl_behaviour: float
     entropy: float
     grad_norm: float
+    lr: float
     tokens: int
     seconds: float
 

@@ -27,6 +27,10 @@ class TrainerHParams(BaseModel):
     tis_cap: float = Field(default=2.0, gt=0, description="Truncation of the behaviour IS weight")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (log-probs)")
     entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus coefficient")
+    lr_final_ratio: float = Field(default=1.0, gt=0, le=1,
+                                  description="Linear decay of the lr to this fraction")
+    total_steps: int | None = Field(default=None, ge=1,
+                                    description="Steps the decay spans (the flow sets max_steps)")
 
 
 class PolicyTrainer:
@@ -35,8 +39,16 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr,
                                            weight_decay=hp.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
         torch.manual_seed(seed)
+
+    def _lr_factor(self, _: int) -> float:
+        """Linear decay by policy version (so a resumed run continues the same schedule)."""
+        if not self.hp.total_steps:
+            return 1.0
+        frac = min(getattr(self, "version", 0) / self.hp.total_steps, 1.0)
+        return 1.0 - (1.0 - self.hp.lr_final_ratio) * frac
 
     def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy."""
@@ -86,11 +98,14 @@ class PolicyTrainer:
                 self.optimizer.step()
                 stats.append((float(loss.detach()), out.clipfrac, out.tis_mean, out.kl_behaviour,
                               float(entropy.detach()), float(gn)))
+        lr_used = self.optimizer.param_groups[0]["lr"]
         self.version += 1
+        self.scheduler.step()
         mean = np.mean(np.array(stats), axis=0)
         return TrainStats(policy_version=self.version, loss=mean[0], pg_clipfrac=mean[1],
                           tis_mean=mean[2], kl_behaviour=mean[3], entropy=mean[4],
-                          grad_norm=mean[5], tokens=int(mask.sum()),
+                          grad_norm=mean[5], lr=lr_used,
+                          tokens=int(mask.sum()),
                           seconds=time.perf_counter() - t0)
 
     def export_weights(self) -> WeightsSnapshot:
@@ -106,6 +121,7 @@ class PolicyTrainer:
         ckpt = run / "checkpoint.pt"
         torch.save({
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "version": self.version, "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
         }, ckpt)
@@ -116,6 +132,7 @@ class PolicyTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self.scheduler.step()  # re-evaluate the lr at the restored version
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,8 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     assert steps == [3]
 
 
-@pytest.mark.parametrize("switches", [["mode=sync"], ["placement=monolithic"]],
-                         ids=["sync", "monolithic"])
+@pytest.mark.parametrize("switches", [["mode=sync", "policy.max_context=48"],
+                                      ["placement=monolithic"]], ids=["sync", "monolithic"])
 def test_baselines_run_through_the_same_flow(switches, tmp_path):
     _train(SHORT + switches, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -85,6 +86,8 @@ def test_baselines_run_through_the_same_flow(switches, tmp_path):
     if "mode=sync" in switches:
         assert max(json.loads(x)["rollout/staleness_max"]
                    for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 0
+        # the short context ends FrozenLake episodes early: truncated, and counted as such
+        assert summary["trajectories"]["truncated"]["context"] > 0
     else:
         assert all(set(v) == {"monolithic"} for v in placement.values())
 
@@ -96,6 +99,9 @@ def test_async_rollouts_overlap_training_and_staleness_is_bounded(tmp_path):
                                  "cluster.dashboard_port=0", "rollout.max_staleness=1"])
     cluster = make_cluster(cfg, None)
     try:
+        # the dashboard answers
+        with urllib.request.urlopen(cluster.dashboard_link, timeout=30) as resp:
+            assert resp.status == 200
         run = TrainingRun(cfg, cluster, tmp_path, NullSink())
         run.setup()
         with get_task_stream(cluster.client) as ts, ProgressLine(4, enabled=False) as progress:
@@ -153,3 +159,16 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
             p.terminate()
         for p in procs:
             p.wait(timeout=30)
+
+
+def test_bench_compares_modes_in_one_run(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "flows" / "bench.py"), "--steps", "1",
+                           "--modes", "async/disaggregated", "sync/monolithic", "--out", str(out),
+                           "trainer.groups_per_step=2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["async/disaggregated", "sync/monolithic"]
+    assert all(r["elapsed_s"] > 0 and r["traj_per_s"] > 0 for r in rows)
+    assert "x wall" in proc.stdout
