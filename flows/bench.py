@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every mode")
     args = p.parse_args(argv)
-    console = Console()
+    console = Console(width=200)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
