@@ -84,7 +84,6 @@ class TrainingRun:
         self.batch_trajectories = sum(
             t.group_size * t.weight for t in cfg.env_tasks) / sum(
             t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step
-        self.window: list[Trajectory] = []  # trajectories of the current batch (for metrics)
         self.t0 = time.perf_counter()
 
     # -- set-up -----------------------------------------------------------------------------

@@ -68,7 +68,8 @@ class InferenceEngine:
         self.version = 0
         self.stats = EngineStats()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
-        self._pending_weights: tuple[dict, int, threading.Event] | None = None
+        self._pending_weights: tuple[dict, int] | None = None
+        self._waiters: list[threading.Event] = []
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rollarc-engine", daemon=True)
@@ -92,10 +93,16 @@ class InferenceEngine:
 
     def load_weights(self, state: dict[str, np.ndarray], version: int, timeout: float = 600) -> int:
         """Stage new weights; the engine thread switches at the next safe point. Returns the
-        version in use once switched."""
+        version in use once switched. Versions only move forward: weights older than those
+        staged or in use are skipped, and every waiter is released by the newer switch."""
         done = threading.Event()
         with self._lock:
-            self._pending_weights = (state, version, done)
+            newest = self._pending_weights[1] if self._pending_weights else self.version
+            if version > newest:
+                self._pending_weights = (state, version)
+            elif self._pending_weights is None:
+                return self.version  # already at this version or past it
+            self._waiters.append(done)
         self._queue.put(None)  # wake the engine thread if idle
         if not done.wait(timeout):
             raise TimeoutError("engine did not reach a safe point to switch weights")
@@ -109,9 +116,10 @@ class InferenceEngine:
     def _apply_pending_weights(self) -> None:
         with self._lock:
             pending, self._pending_weights = self._pending_weights, None
+            waiters, self._waiters = self._waiters, []
         if pending is None:
             return
-        state, version, done = pending
+        state, version = pending
         tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         missing = [m for m in missing if not m.endswith("lm_head.weight")]
@@ -119,7 +127,8 @@ class InferenceEngine:
             logger.error("weights v%d: missing %s unexpected %s", version, missing, unexpected)
         self.version = version
         self.stats.weight_loads += 1
-        done.set()
+        for done in waiters:
+            done.set()
 
     def _loop(self) -> None:
         while not self._closed:

@@ -79,3 +79,11 @@ def test_weights_switch_at_safe_point_and_versions_are_recorded(engine, policy):
     assert pre.policy_version == 7
     assert out.sample.versions == [7] * len(out.sample.token_ids)
     assert engine.stats.weight_loads == 1
+
+
+def test_older_weights_never_replace_newer(engine, policy):
+    model, _ = policy
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    assert engine.load_weights(state, version=5) == 5
+    assert engine.load_weights(state, version=3) == 5  # late arrival of an older version
+    assert engine.version == 5 and engine.stats.weight_loads == 1
