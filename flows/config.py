@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from resources.affinity import Objective, Workload
 from resources.catalog import HardwareProfile
 from resources.pools import PoolSpec, Role
+from tasks.components import instantiate, resolve
 from tasks.policy import PolicySpec
 from tasks.trainer import TrainerHParams
 
@@ -194,12 +195,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, _, raw = item.partition("=")
         apply_override(data, key.strip(), _parse_value(raw))
     try:
-        return TrainConfig.model_validate(data)
+        cfg = TrainConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict | list) else ""
         raise ConfigError(f"{loc}: {err['msg']}{got}") from None
+    _check_components(cfg)
+    return cfg
+
+
+def _check_components(cfg: TrainConfig) -> None:
+    """Build each environment once and resolve each reward, so a bad component fails at start."""
+    for i, task in enumerate(cfg.env_tasks):
+        try:
+            instantiate(task.env).close()
+        except Exception as exc:
+            raise ConfigError(f"env_tasks.{i}.env: {type(exc).__name__}: {exc}") from None
+        try:
+            resolve(task.reward)
+        except ImportError as exc:
+            raise ConfigError(f"env_tasks.{i}.reward: {exc}") from None
 
 
 def resolved_yaml(cfg: TrainConfig) -> str:

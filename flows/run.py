@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from distributed import Future, as_completed
+from distributed import Future, as_completed, wait
 
 from flows.config import TrainConfig
 from flows.metrics import MetricSink, ProgressLine
@@ -304,8 +304,7 @@ class TrainingRun:
         self.t0 = time.perf_counter()
         self.last_metrics: dict = {}
         handlers = {"step": self._on_step, "score": self._on_score,
-                    "train": lambda f, r: self._on_train(f, r, progress), "load": self._on_load,
-                    "close": lambda f, r: None}
+                    "train": lambda f, r: self._on_train(f, r, progress), "load": self._on_load}
         while True:
             self._flush_scores()
             self._maybe_train()
@@ -317,8 +316,12 @@ class TrainingRun:
             results = self._gather(batch)
             for fut in batch:
                 handlers[self.state.kinds.pop(fut.key)](fut, results.get(fut.key))
-            while self.driver.closing:
-                self._track(self.driver.closing.pop(), "close")
+            # closes are held, not awaited: one aimed at a lost worker must not stall the run
+            self.driver.closing = [f for f in self.driver.closing if not f.done()]
+        try:
+            wait(self.driver.closing, timeout=60)
+        except TimeoutError:
+            logger.warning("%d environment closes did not finish", len(self.driver.closing))
         self._finish_unconsumed()
 
     def _gather(self, batch: list[Future]) -> dict:

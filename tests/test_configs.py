@@ -35,6 +35,10 @@ def test_config_loads_and_components_resolve(path):
     ("env_tasks.0.weight=0", "env_tasks.0.weight"),
     ("trainer.hparams.lrr=1", "trainer.hparams.lrr"),
     ("cluster.pools.0.slots=0", "cluster.pools.0.slots"),
+    ("env_tasks.1.env.low=9", "env_tasks.1.env"),
+    ("env_tasks.0.env.bogus_kwarg=1", "env_tasks.0.env"),
+    ("env_tasks.0.env._component_=tasks.envs.nope.Env", "env_tasks.0.env"),
+    ("env_tasks.0.reward=tasks.rewards.missing", "env_tasks.0.reward"),
 ])
 def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:
