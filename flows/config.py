@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from resources.affinity import Objective, Workload
-from resources.catalog import HardwareProfile
+from resources.catalog import CATALOG, HardwareProfile
 from resources.pools import PoolSpec, Role
 from tasks.components import instantiate, resolve
 from tasks.policy import PolicySpec
@@ -60,7 +60,11 @@ class RolloutConfig(_Strict):
         default=1, ge=1,
         description="Async: batches admitted beyond those being trained; about the staleness "
                     "admission aims for (max_staleness is the hard bound)")
-    max_in_flight: int = Field(default=64, ge=1, description="Trajectories rolling out at once")
+    spare_groups: int = Field(
+        default=2, ge=0,
+        description="Async: groups admitted beyond the window, so a batch is cut from the groups "
+                    "that finish first instead of waiting for the last straggler")
+    max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
     score_batch_max: int = Field(default=32, ge=1, description="Trajectories per score call")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -114,6 +118,25 @@ class TrainConfig(_Strict):
         names = [t.name for t in self.env_tasks]
         if len(set(names)) != len(names):
             raise ValueError(f"env_tasks names must be unique, got {names}")
+        biggest = max(t.group_size for t in self.env_tasks)
+        if self.rollout.max_in_flight < biggest:
+            raise ValueError(f"rollout.max_in_flight ({self.rollout.max_in_flight}) must hold "
+                             f"a whole group ({biggest})")
+        for i, p in enumerate(self.cluster.pools):
+            if p.profile not in CATALOG and p.profile not in self.affinity.profiles:
+                raise ValueError(f"cluster.pools.{i}.profile: unknown hardware profile "
+                                 f"{p.profile!r}; known: {sorted(CATALOG) + sorted(self.affinity.profiles)}")
+        if (self.placement == "monolithic" and self.cluster.monolithic_profile not in CATALOG
+                and self.cluster.monolithic_profile not in self.affinity.profiles):
+            raise ValueError(f"cluster.monolithic_profile: unknown hardware profile "
+                             f"{self.cluster.monolithic_profile!r}")
+        temps = {t.name: (t.sampling or self.rollout.sampling).temperature for t in self.env_tasks}
+        for name, temp in temps.items():
+            if temp != self.trainer.hparams.temperature:
+                raise ValueError(
+                    f"sampling temperature of {name} ({temp}) must equal "
+                    f"trainer.hparams.temperature ({self.trainer.hparams.temperature}): the "
+                    "trainer recomputes log-probs of the same sampling distribution")
         roles = {p.role for p in self.cluster.pools}
         if Role.ALL not in roles:
             for need in (Role.INFERENCE, Role.ENV, Role.TRAIN):
@@ -198,9 +221,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = TrainConfig.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        loc = ".".join(str(p) for p in err["loc"])
+        if not loc:  # a cross-field check: its message names the keys itself
+            raise ConfigError(msg) from None
         got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict | list) else ""
-        raise ConfigError(f"{loc}: {err['msg']}{got}") from None
+        raise ConfigError(f"{loc}: {msg}{got}") from None
     _check_components(cfg)
     return cfg
 

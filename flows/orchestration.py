@@ -22,24 +22,26 @@ from tasks.records import TrainSample, Trajectory
 @dataclass(frozen=True)
 class AdmissionState:
     mode: str  # "async" | "sync"
-    policy_version: int  # trainer steps completed
     rolling_out: int  # trajectories admitted and not yet finished
     unconsumed: int  # admitted and not yet trained or dropped (rolling out + waiting)
     batch_trajectories: int  # trajectories in one train batch
-    window_batches: int  # async: batches allowed ahead of the trainer
+    window_batches: int  # async: batches admitted beyond the one being trained
+    spare_trajectories: int  # async: admitted beyond the window, so no batch waits for the last
     max_in_flight: int  # cap on trajectories rolling out at once
+    pool_slots: int  # fewest slots of any pool a turn passes through
     trainer_busy: bool
     weights_syncing: bool
     stopping: bool
 
 
-def groups_to_admit(s: AdmissionState, group_size: int) -> int:
-    """Number of whole groups to admit now.
+def admission_room(s: AdmissionState) -> int:
+    """How many more trajectories may start now (whole groups are admitted while they fit).
 
-    async: keep at most ``window_batches`` batches admitted-but-not-consumed, and at most
-    ``max_in_flight`` trajectories rolling out: the first bound keeps staleness low (a trajectory
-    admitted now is trained within about ``window_batches`` steps), the second is the per-pool
-    backpressure Dask does not give resource-restricted tasks.
+    async: at most ``window_batches`` batches (+ a few spare groups) admitted-but-not-consumed,
+    which keeps staleness near ``window_batches`` while the spares let a batch be cut from the
+    groups that finish first; and at most ``max_in_flight`` and ``pool_slots`` trajectories
+    rolling out — the per-pool backpressure Dask does not give resource-restricted tasks (each
+    rolling-out trajectory holds at most one task of a pool at a time).
     sync: one batch at a time, only when the previous one was trained and its weights are live.
     """
     if s.stopping:
@@ -47,10 +49,23 @@ def groups_to_admit(s: AdmissionState, group_size: int) -> int:
     if s.mode == "sync":
         if s.unconsumed or s.trainer_busy or s.weights_syncing:
             return 0
-        return -(-s.batch_trajectories // group_size)
-    room = min(s.window_batches * s.batch_trajectories - s.unconsumed,
-               s.max_in_flight - s.rolling_out)
-    return max(0, room // group_size)
+        return s.batch_trajectories
+    return max(0, min(s.window_batches * s.batch_trajectories + s.spare_trajectories - s.unconsumed,
+                      s.max_in_flight - s.rolling_out, s.pool_slots - s.rolling_out))
+
+
+def groups_to_cut(mode: str, ready_groups: int, groups_per_step: int, rolling_out: int,
+                  scoring: int, open_groups: int) -> int | None:
+    """How many completed groups the next train batch takes, or None to wait.
+
+    async: the first ``groups_per_step`` groups to complete, whoever is still rolling out.
+    sync: the barrier — everything admitted for this batch, once all of it is scored.
+    """
+    if mode == "sync":
+        if rolling_out or scoring or open_groups or not ready_groups:
+            return None
+        return ready_groups
+    return groups_per_step if ready_groups >= groups_per_step else None
 
 
 def staleness(trainer_version: int, traj: Trajectory) -> int:
@@ -76,6 +91,7 @@ class BatchDecision:
     trajectories: list[Trajectory]
     stale: list[Trajectory]
     staleness: list[int]
+    orphaned: list[Trajectory]  # fresh, but their group lost too many members to stale drops
 
 
 class GroupCollector:
@@ -126,33 +142,26 @@ class GroupCollector:
         """Finished trajectories waiting for the rest of their group."""
         return sum(len(g.members) for g in self._open.values())
 
-    def take_batch(self, groups: int, trainer_version: int, max_staleness: int,
-                   force: bool = False) -> BatchDecision | None:
-        """Cut a batch of the first ``groups`` completed groups (all of them when ``force``).
+    def take_batch(self, groups: int, trainer_version: int, max_staleness: int) -> BatchDecision:
+        """Cut a batch of the first ``groups`` completed groups.
 
         Members staler than ``max_staleness`` are dropped, never trained on; a group left with
-        fewer than two members cannot give relative advantages and is dropped whole.
+        fewer than two members cannot give relative advantages and its rest is dropped too.
         """
-        if not self._ready or (len(self._ready) < groups and not force):
-            return None
         picked = [self._ready.popitem(last=False)[1] for _ in range(min(groups, len(self._ready)))]
-        samples, kept, stale, ages = [], [], [], []
+        samples, kept, stale, ages, orphaned = [], [], [], [], []
         for g in picked:
-            fresh = []
-            for t in g.members:
-                age = staleness(trainer_version, t)
-                (fresh if age <= max_staleness else stale).append(t)
-                if age <= max_staleness:
-                    ages.append(age)
+            fresh = [t for t in g.members if staleness(trainer_version, t) <= max_staleness]
+            stale.extend(t for t in g.members if staleness(trainer_version, t) > max_staleness)
             if len(fresh) < 2:
-                stale.extend(fresh)
-                ages = ages[: len(ages) - len(fresh)]
+                orphaned.extend(fresh)
                 continue
+            ages.extend(staleness(trainer_version, t) for t in fresh)
             adv = group_advantages([t.reward for t in fresh], self.normalise_std)
             for t, a in zip(fresh, adv, strict=True):
                 samples.append(TrainSample(t.token_ids, t.loss_mask, t.behaviour_logprobs, a))
                 kept.append(t)
-        return BatchDecision(samples, kept, stale, ages)
+        return BatchDecision(samples, kept, stale, ages, orphaned)
 
 
 class Router:

@@ -23,7 +23,7 @@ from resources.pools import Stage, Tag, demand
 from resources.worker import plain, with_engine, with_engine_tokenizer, with_envs, with_registry
 from tasks.env_tasks import env_close, env_reset, env_step
 from tasks.generation import decode, prefill, response_of
-from tasks.records import EnvObservation, SamplingParams, ScoreRequest, Trajectory
+from tasks.records import EnvHandle, EnvObservation, SamplingParams, ScoreRequest, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class TrajectoryState:
     env_rewards: list[float] = field(default_factory=list)
     responses: list[str] = field(default_factory=list)
     env_step_s: float = 0.0
-    handle: object | None = None
+    handle: EnvHandle | None = None
 
     def reset_record(self) -> None:
         self.turn = 0
@@ -65,8 +65,10 @@ def _seed(*parts) -> int:
 class RolloutDriver:
     """Submits and advances trajectories; reports finished ones and drops with reasons."""
 
-    def __init__(self, client: Client, cfg: TrainConfig, router: Router, stop_ids: list[int]):
+    def __init__(self, client: Client, cfg: TrainConfig, router: Router, stop_ids: list[int],
+                 run_id: str = "run"):
         self.client, self.cfg, self.router, self.stop_ids = client, cfg, router, stop_ids
+        self.run_id = run_id
         self.sampling = {t.name: SamplingParams(temperature=sc.temperature,
                                                 max_new_tokens=sc.max_new_tokens)
                          for t in cfg.env_tasks for sc in [t.sampling or cfg.rollout.sampling]}
@@ -99,8 +101,9 @@ class RolloutDriver:
 
     def _start(self, st: TrajectoryState) -> Future:
         st.env_worker = self.router.choose(Tag.CPU_ENV)
+        st.handle = EnvHandle(st.env_worker, f"{self.run_id}.{st.traj_id}.{st.attempt}")
         reset = self._submit(
-            Stage.ENV_RESET, with_envs, env_reset, st.task.env, st.seed,
+            Stage.ENV_RESET, with_envs, env_reset, st.task.env, st.seed, st.handle.instance_id,
             self.cfg.policy.system_prompt, worker=st.env_worker,
             key=f"env_reset-{st.traj_id}-0-{st.attempt}")
         return self._submit_turn(st, reset)
@@ -171,16 +174,17 @@ class RolloutDriver:
             self.truncated["context"] += 1
         elif obs.truncated:
             self.truncated["max_turns"] += 1
-        info = dict(obs.info)
-        info["turns"] = st.turn
         return Trajectory(
             traj_id=str(st.traj_id), group_id=st.group_id, env_name=st.task.name, seed=st.seed,
             token_ids=np.asarray(st.tokens, dtype=np.int64),
             loss_mask=np.asarray(st.mask, dtype=bool),
             behaviour_logprobs=np.asarray(st.logprobs, dtype=np.float32),
             versions=np.asarray(st.versions, dtype=np.int64), env_rewards=st.env_rewards,
-            responses=st.responses, info=info | {"env_step_s": st.env_step_s}, num_turns=st.turn,
-            truncated=truncated, context_truncated=context_limited,
+            responses=st.responses, info=dict(obs.info), num_turns=st.turn,
+            truncated=truncated, context_truncated=context_limited, attempt=st.attempt,
+            success=bool(obs.info.get("success", False)),
+            format_errors=int(obs.info.get("format_errors", 0)),
+            env_step_s=st.env_step_s,
         )
 
     def on_error(self, fut: Future) -> tuple[Future | None, str | None]:
@@ -217,9 +221,10 @@ class RolloutDriver:
         return fut
 
 
-def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str]) -> list[ScoreRequest]:
-    """JSON-able scoring requests; the idempotency key names the trajectory and its attempt."""
-    return [ScoreRequest(id=t.traj_id, idempotency_key=f"{t.traj_id}-{t.group_id}",
+def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str],
+                   run_id: str) -> list[ScoreRequest]:
+    """JSON-able scoring requests; the idempotency key names the run, trajectory and attempt."""
+    return [ScoreRequest(id=t.traj_id, idempotency_key=f"{run_id}/{t.traj_id}/{t.attempt}",
                          reward_fn=reward_fns[t.env_name],
                          env_name=t.env_name, env_rewards=t.env_rewards, responses=t.responses,
                          info=t.info) for t in trajs]

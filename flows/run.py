@@ -24,7 +24,8 @@ from flows.orchestration import (
     BatchDecision,
     GroupCollector,
     Router,
-    groups_to_admit,
+    admission_room,
+    groups_to_cut,
     sample_env_task,
 )
 from flows.rollout import RolloutDriver, score_requests
@@ -73,7 +74,9 @@ class TrainingRun:
         self.inference_workers = sorted(set(cluster.workers_with(Tag.GPU_COMPUTE))
                                         | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))
         tokenizer = load_tokenizer(cfg.policy)
-        self.driver = RolloutDriver(self.client, cfg, self.router, stop_token_ids(tokenizer))
+        self.run_id = run_dir.name
+        self.driver = RolloutDriver(self.client, cfg, self.router, stop_token_ids(tokenizer),
+                                    self.run_id)
         self.collector = GroupCollector()
         self.state = RunState()
         self.rng = random.Random(cfg.seed)
@@ -85,6 +88,10 @@ class TrainingRun:
             t.group_size * t.weight for t in cfg.env_tasks) / sum(
             t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step
         self.t0 = time.perf_counter()
+        self._next_task = None
+        # a rolling-out trajectory holds at most one task of each pool at a time
+        self.pool_slots = min(cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
+                                                          Tag.CPU_ENV))
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -102,6 +109,8 @@ class TrainingRun:
                                      workers=[self.trainer_worker],
                                      resources=demand(Stage.TRAIN_STEP), pure=False)
             self.state.version = fut.result()
+            # new group seeds after a resume, not a replay of the first run's
+            self.rng = random.Random(f"{self.cfg.seed}/{self.state.version}")
             logger.info("resumed at policy version %d", self.state.version)
         # Every inference worker starts from the trainer's weights, version-stamped.
         for f in self._sync_weights(track=False):
@@ -136,18 +145,28 @@ class TrainingRun:
         unconsumed = (len(self.driver.live) + len(s.pending_score)
                       + sum(len(v) for v in s.scoring.values())
                       + self.collector.ready_trajectories + self.collector.open_members)
+        ro = self.cfg.rollout
         return AdmissionState(
-            mode=self.cfg.mode, policy_version=s.version, rolling_out=len(self.driver.live),
-            unconsumed=unconsumed, batch_trajectories=int(round(self.batch_trajectories)),
-            window_batches=self.cfg.rollout.window_batches, max_in_flight=self.cfg.rollout.max_in_flight,
+            mode=self.cfg.mode, rolling_out=len(self.driver.live), unconsumed=unconsumed,
+            batch_trajectories=int(round(self.batch_trajectories)),
+            window_batches=ro.window_batches,
+            spare_trajectories=ro.spare_groups * max(t.group_size for t in self.cfg.env_tasks),
+            max_in_flight=ro.max_in_flight, pool_slots=self.pool_slots,
             trainer_busy=s.trainer_busy, weights_syncing=s.loads_pending > 0,
             stopping=self.driver.stopping)
 
     def _admit(self) -> None:
+        """Start whole groups while they fit in the room admission control gives."""
+        room = admission_room(self._admission())
         weights = [t.weight for t in self.cfg.env_tasks]
-        group_size = min(t.group_size for t in self.cfg.env_tasks)
-        for _ in range(groups_to_admit(self._admission(), group_size)):
-            task = self.cfg.env_tasks[sample_env_task(weights, self.rng)]
+        while True:
+            if self._next_task is None:
+                self._next_task = self.cfg.env_tasks[sample_env_task(weights, self.rng)]
+            task = self._next_task
+            if task.group_size > room:
+                return
+            room -= task.group_size
+            self._next_task = None
             gid = f"{task.name}.{self.state.groups}"
             self.state.groups += 1
             seed = self.rng.randrange(task.seed_range)
@@ -162,7 +181,7 @@ class TrainingRun:
             del s.pending_score[: len(batch)]
             worker = self.router.choose(Tag.CPU_ENV)
             fut = self.client.submit(plain, score, self.reward_client,
-                                     score_requests(batch, self.reward_fns),
+                                     score_requests(batch, self.reward_fns, self.run_id),
                                      key=f"score-{s.score_calls}", workers=[worker], pure=False,
                                      resources=demand(Stage.SCORE))
             s.score_calls += 1
@@ -173,23 +192,17 @@ class TrainingRun:
         s = self.state
         if s.trainer_busy or s.version >= self.cfg.trainer.max_steps:
             return
-        if self.cfg.mode == "sync":
-            a = self._admission()
-            # barrier: the whole batch is generated and scored, and the weights are live
-            if a.rolling_out or s.pending_score or s.scoring or self.collector.open_groups:
-                return
-            decision = self.collector.take_batch(10**9, s.version, self.cfg.rollout.max_staleness,
-                                                 force=True)
-        else:
-            decision = self.collector.take_batch(self.cfg.trainer.groups_per_step, s.version,
-                                                 self.cfg.rollout.max_staleness)
-        if decision is None:
+        n = groups_to_cut(self.cfg.mode, self.collector.ready_groups,
+                          self.cfg.trainer.groups_per_step, len(self.driver.live),
+                          len(s.pending_score) + len(s.scoring), self.collector.open_groups)
+        if n is None:
             return
+        decision = self.collector.take_batch(n, s.version, self.cfg.rollout.max_staleness)
         self._drop_trajectories(decision.stale, "stale")
+        self._drop_trajectories(decision.orphaned, "group_incomplete")
         self._drop_orphans()
-        if not decision.samples:
-            return
-        self._submit_train(decision)
+        if decision.samples:
+            self._submit_train(decision)
 
     def _submit_train(self, d: BatchDecision) -> None:
         s = self.state
@@ -230,9 +243,11 @@ class TrainingRun:
 
     def _on_score(self, fut: Future, result) -> None:
         batch = self.state.scoring.pop(fut.key)
-        if fut.status != "finished":
+        if fut.status == "error":
             results = [None] * len(batch)
             err = f"reward_error:{type(fut.exception()).__name__}"
+        elif result is None:  # the result was lost with its worker
+            results, err = [None] * len(batch), "reward_error:lost"
         else:
             results, err = result, None
         for traj, res in zip(batch, results, strict=True):
@@ -284,10 +299,9 @@ class TrainingRun:
             m[f"env/{name}/success"] = float(np.mean([t.success for t in ts]))
             m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))
             m[f"env/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
-            m[f"env/{name}/format_errors"] = float(np.mean(
-                [t.info.get("format_errors", 0) for t in ts]))
+            m[f"env/{name}/format_errors"] = float(np.mean([t.format_errors for t in ts]))
             m[f"env/{name}/env_step_s"] = float(np.mean(
-                [t.info.get("env_step_s", 0.0) / max(t.num_turns, 1) for t in ts]))
+                [t.env_step_s / max(t.num_turns, 1) for t in ts]))
             m[f"env/{name}/trajectories"] = len(ts)
         return m
 
@@ -310,6 +324,11 @@ class TrainingRun:
             self._maybe_train()
             self._admit()  # after a batch was cut: its room is refilled at once
             if self.ac.is_empty():
+                if self.state.version < self.cfg.trainer.max_steps:
+                    raise RuntimeError(
+                        f"stalled at policy version {self.state.version}: nothing in flight and "
+                        f"nothing admissible (rollout.max_in_flight={self.cfg.rollout.max_in_flight},"
+                        f" pool slots={self.pool_slots})")
                 break
             batch = self.ac.next_batch(block=True)
             # one gather for the whole batch: a round trip per worker, not per future

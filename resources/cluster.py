@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
 from resources.pools import PoolSpec, Tag
+from resources.worker import TORCH_THREADS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: b
                     "nthreads": pool.slots,
                     "resources": {str(t): pool.slots for t in tags[pool.name]},
                     "memory_limit": 0,
-                    **({"env": WORKER_ENV, "silence_logs": logging.WARNING} if processes else {}),
+                    **({"env": WORKER_ENV | {TORCH_THREADS_ENV: str(pool.torch_threads)},
+                        "silence_logs": logging.WARNING} if processes else {}),
                 },
             }
     return specs

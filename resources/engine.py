@@ -70,6 +70,7 @@ class InferenceEngine:
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._pending_weights: tuple[dict, int] | None = None
         self._waiters: list[threading.Event] = []
+        self._weight_error: Exception | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rollarc-engine", daemon=True)
@@ -106,6 +107,9 @@ class InferenceEngine:
         self._queue.put(None)  # wake the engine thread if idle
         if not done.wait(timeout):
             raise TimeoutError("engine did not reach a safe point to switch weights")
+        if self._weight_error is not None:
+            err, self._weight_error = self._weight_error, None
+            raise RuntimeError(f"weights v{version} not loaded: {err}") from err
         return self.version
 
     def close(self) -> None:
@@ -120,13 +124,19 @@ class InferenceEngine:
         if pending is None:
             return
         state, version = pending
-        tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]
-        if missing or unexpected:
-            logger.error("weights v%d: missing %s unexpected %s", version, missing, unexpected)
-        self.version = version
-        self.stats.weight_loads += 1
+        try:
+            if version > self.version:  # an older snapshot staged during a switch is skipped
+                tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
+                missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+                missing = [m for m in missing if not m.endswith("lm_head.weight")]
+                if missing or unexpected:
+                    raise ValueError(f"weights v{version}: missing {missing}, "
+                                     f"unexpected {unexpected}")
+                self.version = version
+                self.stats.weight_loads += 1
+        except Exception as exc:  # keep serving the old weights; the loader sees the error
+            logger.exception("could not switch to weights v%d", version)
+            self._weight_error = exc
         for done in waiters:
             done.set()
 

@@ -8,8 +8,8 @@ functions the flows submit: they look the state up on the executing worker and c
 
 from __future__ import annotations
 
-import itertools
 import logging
+import os
 import threading
 from typing import Any
 
@@ -24,6 +24,7 @@ from tasks.trainer import PolicyTrainer, TrainerHParams
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "rollarc"
+TORCH_THREADS_ENV = "ROLLARC_TORCH_THREADS"
 
 
 class EnvRegistry:
@@ -32,18 +33,18 @@ class EnvRegistry:
     def __init__(self, address: str):
         self.address = address
         self._envs: dict[str, Any] = {}
-        self._ids = itertools.count()
         self._lock = threading.Lock()
         self.created = 0
         self.closed = 0
 
-    def create(self, spec: dict) -> tuple[str, Any]:
+    def create(self, spec: dict, instance_id: str) -> Any:
         env = instantiate(spec)
         with self._lock:
-            instance_id = f"env{next(self._ids)}"
+            if instance_id in self._envs:
+                raise KeyError(f"environment {instance_id} already exists on {self.address}")
             self._envs[instance_id] = env
             self.created += 1
-        return instance_id, env
+        return env
 
     def get(self, instance_id: str) -> Any:
         try:
@@ -71,20 +72,20 @@ class RollArcWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, policy: dict, trainer: dict, seed: int = 0, engine_max_batch: int = 64,
-                 torch_threads: int = 1):
+    def __init__(self, policy: dict, trainer: dict, seed: int = 0):
         self.policy_spec = policy
         self.trainer_hp = trainer
         self.seed = seed
-        self.engine_max_batch = engine_max_batch
-        self.torch_threads = torch_threads
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
         self._lock = threading.RLock()
         self._engine = self._envs = self._tokenizer = self._trainer = None
         self.address = worker.address
-        torch.set_num_threads(self.torch_threads)
+        # the pool's torch_threads reach the worker as an environment variable (Nanny env)
+        torch.set_num_threads(int(os.environ.get(TORCH_THREADS_ENV, "1")))
+        # the engine batches up to as many requests as the worker runs tasks at once
+        self.engine_max_batch = max(1, int(worker.state.nthreads))
 
     def teardown(self, worker) -> None:
         if self._engine is not None:

@@ -12,10 +12,12 @@ from tasks.policy import encode_first_turn, encode_next_turn
 from tasks.records import EnvHandle, EnvObservation, TurnSample
 
 
-def env_reset(registry, tokenizer, env_spec: dict, seed: int,
+def env_reset(registry, tokenizer, env_spec: dict, seed: int, instance_id: str,
               system_prompt: str | None = None) -> EnvObservation:
+    """Create the instance under the id the driver chose (so the driver can close it even if
+    this result never reaches it) and reset it."""
     t0 = time.perf_counter()
-    instance_id, env = registry.create(env_spec)
+    env = registry.create(env_spec, instance_id)
     text, info = env.reset(seed=seed)
     return EnvObservation(
         handle=EnvHandle(registry.address, instance_id), text=text,

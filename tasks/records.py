@@ -126,10 +126,14 @@ class Trajectory:
     versions: np.ndarray
     env_rewards: list[float]
     responses: list[str]
-    info: dict
+    info: dict  # the environment's last info, as it gave it (handed to the reward function)
     num_turns: int
     truncated: bool  # ended by the context limit or max_turns, not by the environment
     context_truncated: bool
+    attempt: int = 0
+    success: bool = False
+    format_errors: int = 0
+    env_step_s: float = 0.0  # environment time summed over the turns
     reward: float | None = None
     reward_details: dict = field(default_factory=dict)
 
@@ -137,10 +141,6 @@ class Trajectory:
     def oldest_version(self) -> int:
         gen = self.versions[self.loss_mask]
         return int(gen.min()) if gen.size else 0
-
-    @property
-    def success(self) -> bool:
-        return bool(self.info.get("success", False))
 
 
 @dataclass

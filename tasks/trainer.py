@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class PolicyTrainer:
                                            weight_decay=hp.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
+        # train_step and export_weights may run on two threads of the trainer worker: a
+        # snapshot must never mix parameters from before and after an optimiser step
+        self._lock = threading.Lock()
         torch.manual_seed(seed)
 
     def _lr_factor(self, _: int) -> float:
@@ -60,6 +64,10 @@ class PolicyTrainer:
         return torch.cat([pad, tok], 1), torch.cat([pad, ent], 1)
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
+        with self._lock:
+            return self._train_step(batch)
+
+    def _train_step(self, batch: TrainBatch) -> TrainStats:
         t0 = time.perf_counter()
         if batch.policy_version != self.version:
             raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
@@ -109,13 +117,18 @@ class PolicyTrainer:
                           seconds=time.perf_counter() - t0)
 
     def export_weights(self) -> WeightsSnapshot:
-        state = {k: v.detach().cpu().float().numpy().copy()
-                 for k, v in self.model.state_dict().items()}
-        return WeightsSnapshot(self.version, state)
+        with self._lock:
+            state = {k: v.detach().cpu().float().numpy().copy()
+                     for k, v in self.model.state_dict().items()}
+            return WeightsSnapshot(self.version, state)
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str) -> str:
         """Final policy as a Hugging Face directory plus a resumable checkpoint."""
+        with self._lock:
+            return self._save_checkpoint(run_dir)
+
+    def _save_checkpoint(self, run_dir: str) -> str:
         run = Path(run_dir)
         save_policy(self.model, self.tokenizer, run / "policy")
         ckpt = run / "checkpoint.pt"

@@ -61,7 +61,7 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
                         resources=demand(stage), pure=False, key=f"{stage.value}-kvtest-{len(kw)}-"
                         f"{np.random.randint(1 << 30)}", **kw)
 
-    obs = sub(Stage.ENV_RESET, with_envs, env_reset, env_spec, 0, None, worker=env_w)
+    obs = sub(Stage.ENV_RESET, with_envs, env_reset, env_spec, 0, "kvtest.0", None, worker=env_w)
     pre0 = sub(Stage.PREFILL, with_engine, prefill, None, obs, worker=pre_w)
     dec0 = sub(Stage.DECODE, with_engine_tokenizer, decode, pre0, None, params=params,
                stop_ids=stop_token_ids(tok), max_context=256, seed=0, worker=dec_w)

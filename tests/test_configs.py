@@ -39,6 +39,9 @@ def test_config_loads_and_components_resolve(path):
     ("env_tasks.0.env.bogus_kwarg=1", "env_tasks.0.env"),
     ("env_tasks.0.env._component_=tasks.envs.nope.Env", "env_tasks.0.env"),
     ("env_tasks.0.reward=tasks.rewards.missing", "env_tasks.0.reward"),
+    ("cluster.pools.1.profile=B300", "cluster.pools.1.profile"),
+    ("rollout.max_in_flight=4", "rollout.max_in_flight"),
+    ("rollout.sampling.temperature=0.7", "trainer.hparams.temperature"),
 ])
 def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:

@@ -36,7 +36,6 @@ def test_default_run_learns_frozenlake(tmp_path):
     first, final = _success(metrics)
     assert max(first) <= 0.1
     assert sum(final) / len(final) >= 0.8, final
-    assert summary["elapsed_s"] < 600
     assert max(m["rollout/staleness_max"] for m in metrics) <= 2
 
 

@@ -5,32 +5,50 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flows.orchestration import AdmissionState, GroupCollector, Router, groups_to_admit
+from flows.orchestration import (
+    AdmissionState,
+    GroupCollector,
+    Router,
+    admission_room,
+    groups_to_cut,
+)
 from tasks.records import Trajectory
 
 
 def _state(**kw):
-    base = dict(mode="async", policy_version=0, rolling_out=0, unconsumed=0,
-                batch_trajectories=32, window_batches=2, max_in_flight=64, trainer_busy=False,
-                weights_syncing=False, stopping=False)
+    base = dict(mode="async", rolling_out=0, unconsumed=0, batch_trajectories=32,
+                window_batches=1, spare_trajectories=16, max_in_flight=96, pool_slots=64,
+                trainer_busy=False, weights_syncing=False, stopping=False)
     return AdmissionState(**(base | kw))
 
 
-def test_async_admission_bounded_by_window_and_in_flight():
-    assert groups_to_admit(_state(), 8) == 8  # 2 batches of 32 = 64 trajectories
-    assert groups_to_admit(_state(unconsumed=60), 8) == 0
-    assert groups_to_admit(_state(unconsumed=40, rolling_out=40), 8) == 3
-    assert groups_to_admit(_state(max_in_flight=16), 8) == 2
-    assert groups_to_admit(_state(stopping=True), 8) == 0
-    # async keeps admitting while the trainer trains
-    assert groups_to_admit(_state(trainer_busy=True, weights_syncing=True), 8) == 8
+def test_async_admission_bounded_by_window_in_flight_and_pool_slots():
+    assert admission_room(_state()) == 48  # one batch of 32 + 16 spare
+    assert admission_room(_state(window_batches=2)) == 64  # capped by the pools' 64 slots
+    assert admission_room(_state(unconsumed=40, rolling_out=10)) == 8
+    assert admission_room(_state(unconsumed=60)) == 0
+    assert admission_room(_state(max_in_flight=16)) == 16
+    assert admission_room(_state(pool_slots=8, window_batches=4)) == 8
+    assert admission_room(_state(stopping=True)) == 0
+    # async keeps admitting while the trainer trains and weights sync
+    assert admission_room(_state(trainer_busy=True, weights_syncing=True)) == 48
 
 
 def test_sync_admission_is_a_barrier():
-    assert groups_to_admit(_state(mode="sync"), 8) == 4
-    assert groups_to_admit(_state(mode="sync", unconsumed=1), 8) == 0
-    assert groups_to_admit(_state(mode="sync", trainer_busy=True), 8) == 0
-    assert groups_to_admit(_state(mode="sync", weights_syncing=True), 8) == 0
+    assert admission_room(_state(mode="sync")) == 32
+    assert admission_room(_state(mode="sync", unconsumed=1)) == 0
+    assert admission_room(_state(mode="sync", trainer_busy=True)) == 0
+    assert admission_room(_state(mode="sync", weights_syncing=True)) == 0
+
+
+def test_batch_cut_async_takes_first_completed_sync_waits_for_all():
+    assert groups_to_cut("async", 3, 4, rolling_out=20, scoring=0, open_groups=5) is None
+    assert groups_to_cut("async", 5, 4, rolling_out=20, scoring=3, open_groups=5) == 4
+    assert groups_to_cut("sync", 4, 4, rolling_out=1, scoring=0, open_groups=0) is None
+    assert groups_to_cut("sync", 4, 4, rolling_out=0, scoring=2, open_groups=0) is None
+    assert groups_to_cut("sync", 4, 4, rolling_out=0, scoring=0, open_groups=1) is None
+    assert groups_to_cut("sync", 4, 4, rolling_out=0, scoring=0, open_groups=0) == 4
+    assert groups_to_cut("sync", 0, 4, rolling_out=0, scoring=0, open_groups=0) is None
 
 
 def _traj(tid, gid, reward, versions):
@@ -52,10 +70,11 @@ def test_collector_cuts_batches_from_completed_groups_without_waiting_for_stragg
     c.add(_traj(2, "b", 0.0, [0]))
     c.add(_traj(3, "c", 0.0, [0]))
     c.add(_traj(4, "c", 1.0, [0]))
+    assert c.ready_groups == 2 and c.open_groups == 1
     d = c.take_batch(2, trainer_version=0, max_staleness=2)
-    assert d is not None and {t.group_id for t in d.trajectories} == {"b", "c"}
+    assert {t.group_id for t in d.trajectories} == {"b", "c"}
     assert sorted(s.advantage for s in d.samples) == pytest.approx([-1, -1, 1, 1], abs=1e-4)
-    assert c.take_batch(1, 0, 2) is None and c.open_groups == 1
+    assert c.ready_groups == 0 and c.open_groups == 1
 
 
 def test_stale_trajectories_are_dropped_not_trained():
@@ -68,6 +87,16 @@ def test_stale_trajectories_are_dropped_not_trained():
     assert [t.traj_id for t in d.stale] == ["1"]
     assert {t.traj_id for t in d.trajectories} == {"0", "2"}
     assert max(d.staleness) <= 2
+
+
+def test_group_left_too_small_by_stale_drops_is_dropped_as_incomplete():
+    c = GroupCollector()
+    c.open_group("a", "e", 2)
+    c.add(_traj(0, "a", 1.0, [9]))
+    c.add(_traj(1, "a", 0.0, [1]))  # stale
+    d = c.take_batch(1, trainer_version=9, max_staleness=2)
+    assert [t.traj_id for t in d.stale] == ["1"] and [t.traj_id for t in d.orphaned] == ["0"]
+    assert not d.samples
 
 
 def test_group_left_with_one_member_is_dropped_whole():
