@@ -54,15 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.8, help="success target for time-to-target")
     p.add_argument("--env", default="frozenlake", help="env task whose success is tracked")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--keep", default=None, help="keep each mode's run directory under this path")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every mode")
     args = p.parse_args(argv)
     console = Console(width=200)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
         for mode in args.modes:
             console.print(f"running {mode} for {args.steps} steps ...")
             rows.append(run_mode(mode, args.steps, args.overrides,
-                                 Path(tmp) / mode.replace("/", "-"), args.target, args.env))
+                                 root / mode.replace("/", "-"), args.target, args.env))
     base = rows[0]
     table = Table(title=f"{args.steps} train steps per mode; ratios are to {base['mode']}")
     for col in ("mode", "wall s", "x wall", "traj/s", "x traj/s", "s/step",

@@ -61,7 +61,7 @@ class RolloutConfig(_Strict):
         description="Async: batches admitted beyond those being trained; about the staleness "
                     "admission aims for (max_staleness is the hard bound)")
     spare_groups: int = Field(
-        default=2, ge=0,
+        default=0, ge=0,
         description="Async: groups admitted beyond the window, so a batch is cut from the groups "
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")

@@ -65,7 +65,7 @@ class InferenceEngine:
         self.layers, self.kv_heads, self.head_dim = kv_geometry(model)
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
-        self.version = 0
+        self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
         self.stats = EngineStats()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._pending_weights: tuple[dict, int] | None = None
