@@ -23,6 +23,15 @@ def _run(tmp_path, *overrides):
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
+    first_08 = next((m["train/step"] for m in metrics
+                     if m.get("env/frozenlake/success", 0) >= 0.8), None)
+    # figures for the CI log (.ci/run shows the output of passed slow tests)
+    print(json.dumps({"overrides": overrides, "elapsed_s": round(summary["elapsed_s"]),
+                      "steps": len(metrics), "first_step_success_0.8": first_08,
+                      "final": {k: round(v, 3) for k, v in summary["final_metrics"].items()
+                                if k.startswith(("env/frozenlake", "perf/", "rollout/stal"))},
+                      "trajectories": summary["trajectories"],
+                      "tasks_per_stage_per_pool": summary["tasks_per_stage_per_pool"]}))
     return metrics, summary
 
 
