@@ -119,7 +119,8 @@ class RolloutDriver:
                            worker=st.prefill_worker, key=f"prefill-{suffix}")
         dec = self._submit(
             Stage.DECODE, with_engine_tokenizer, decode, pre, st.last_decode,
-            params=self.sampling[st.task.name], stop_ids=self.stop_ids, max_context=self.cfg.policy.max_context,
+            params=self.sampling[st.task.name], stop_ids=self.stop_ids,
+            max_context=self.cfg.policy.max_context,
             seed=_seed(self.cfg.seed, st.traj_id, st.turn, st.attempt),
             worker=st.decode_worker, key=f"decode-{suffix}")
         resp = self._submit(Stage.RESPONSE, plain, response_of, dec, worker=st.decode_worker,

@@ -392,6 +392,7 @@ class TrainingRun:
                              "truncated": dict(d.truncated)},
             "drop_details": d.drop_details[:20],
             "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
+            "rollout_tasks_submitted": dict(d.stage_submitted),
             "score": {"invocations": self.state.score_calls,
                       "mean_batch": self.state.finished / max(self.state.score_calls, 1)},
             "live_env_instances_at_end": live_envs,

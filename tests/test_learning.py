@@ -1,5 +1,5 @@
 """Full-length runs of the default config: async/disaggregated learns FrozenLake, and so do the
-baselines. Minutes each on 2 cores: marked slow, run by .ci/run."""
+baselines. 6-10 minutes each on 2 cores: marked slow, run with ``pytest -m slow``."""
 
 from __future__ import annotations
 
