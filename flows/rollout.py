@@ -39,7 +39,6 @@ class TrajectoryState:
     env_worker: str | None = None
     decode_worker: str | None = None
     prefill_worker: str | None = None
-    last_step: Future | None = None  # EnvObservation future of the previous turn
     last_decode: Future | None = None  # DecodeOutput future (the KV so far)
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
@@ -52,7 +51,7 @@ class TrajectoryState:
 
     def reset_record(self) -> None:
         self.turn = 0
-        self.last_step = self.last_decode = None
+        self.last_decode = None
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None
 
@@ -165,7 +164,6 @@ class RolloutDriver:
             self.close_env(st)
             self.drop(st, "run_ended")
             return None, None
-        st.last_step = fut
         return None, self._submit_turn(st, fut)
 
     def _finish(self, st: TrajectoryState, obs: EnvObservation, context_limited: bool) -> Trajectory:
@@ -207,9 +205,13 @@ class RolloutDriver:
 
     def drop(self, st: TrajectoryState, reason: str, detail: str = "") -> None:
         self.live.pop(st.traj_id, None)
+        self.record_drop(st.traj_id, reason, detail)
+
+    def record_drop(self, traj_id: int | str, reason: str, detail: str = "") -> None:
+        """Count a dropped trajectory by reason (the first 100 are kept with details)."""
         self.dropped[reason] += 1
         if len(self.drop_details) < 100:
-            self.drop_details.append({"trajectory": st.traj_id, "reason": reason, "detail": detail})
+            self.drop_details.append({"trajectory": traj_id, "reason": reason, "detail": detail})
 
     def close_env(self, st: TrajectoryState) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""

@@ -216,8 +216,8 @@ class TrainingRun:
         self._track(fut, "train")
 
     def _drop_trajectories(self, trajs: list[Trajectory], reason: str) -> None:
-        for _ in trajs:
-            self.driver.dropped[reason] += 1
+        for t in trajs:
+            self.driver.record_drop(t.traj_id, reason)
 
     def _drop_orphans(self) -> None:
         if self.collector.orphans:
@@ -252,11 +252,8 @@ class TrainingRun:
             results, err = result, None
         for traj, res in zip(batch, results, strict=True):
             if res is None or res.score is None:
-                reason = err or "reward_error"
-                self.driver.dropped[reason] += 1
-                if len(self.driver.drop_details) < 100:
-                    self.driver.drop_details.append({"trajectory": traj.traj_id, "reason": reason,
-                                                     "detail": getattr(res, "error", "")})
+                self.driver.record_drop(traj.traj_id, err or "reward_error",
+                                        getattr(res, "error", None) or "")
                 self.collector.drop_member(traj.group_id)
             else:
                 traj.reward, traj.reward_details = float(res.score), res.details

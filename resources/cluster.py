@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
@@ -27,7 +27,6 @@ class ClusterHandle:
     worker_pool: dict[str, str]  # worker address -> pool name
     worker_tags: dict[str, dict[str, float]]  # worker address -> {tag: slots}
     dashboard_link: str | None
-    pool_profiles: dict[str, str] = field(default_factory=dict)
 
     def workers_with(self, tag: Tag) -> list[str]:
         return sorted(a for a, r in self.worker_tags.items() if r.get(str(tag), 0) > 0)
@@ -86,7 +85,6 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
     client = Client(cluster)
     client.wait_for_workers(len(specs), timeout=timeout)
     handle = _describe(client, cluster)
-    handle.pool_profiles = {p.name: p.profile for p in pools}
     return handle
 
 

@@ -63,6 +63,7 @@ class InferenceEngine:
     def __init__(self, model: PreTrainedModel, max_batch: int = 64, batch_wait_s: float = 0.0):
         self.model = model.eval()
         self.layers, self.kv_heads, self.head_dim = kv_geometry(model)
+        self._cache_kwarg = cache_kwarg(model)
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
@@ -186,7 +187,7 @@ class InferenceEngine:
         cache = (DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(self.layers)],
                               config=cfg) if T else DynamicCache(config=cfg))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **{cache_kwarg(self.model): cache})
+                         use_cache=True, **{self._cache_kwarg: cache})
         layers = cache.layers  # filled in place
         keys = torch.stack([layer.keys[:, :, T:] for layer in layers])  # [L, B, H, N, D]
         values = torch.stack([layer.values[:, :, T:] for layer in layers])

@@ -7,7 +7,6 @@ Hugging Face causal-LM directory instead, and its chat template is applied when 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -152,4 +151,3 @@ def save_policy(model: PreTrainedModel, tokenizer, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    (path / "rollarc.json").write_text(json.dumps({"format": "hf-causal-lm"}))

@@ -12,10 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def empty_kv(layers: int, kv_heads: int, head_dim: int) -> np.ndarray:
-    return np.zeros((layers, 2, kv_heads, 0, head_dim), dtype=np.float32)
-
-
 @dataclass
 class PrefillOutput:
     """KV of this turn's new tokens only, and the logits at the last position.
@@ -28,10 +24,6 @@ class PrefillOutput:
     n_past: int
     n_new: int
     policy_version: int
-
-    @property
-    def kv_nbytes(self) -> int:
-        return int(self.kv_new.nbytes)
 
     def __sizeof__(self) -> int:  # what Dask's sizeof reports, for transfers and memory
         return int(self.kv_new.nbytes + self.last_logits.nbytes) + 128

@@ -40,8 +40,8 @@ class PolicyTrainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr,
                                            weight_decay=hp.weight_decay)
+        self.version = 0  # read by the lr schedule, so set before it
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.version = 0
         # train_step and export_weights may run on two threads of the trainer worker: a
         # snapshot must never mix parameters from before and after an optimiser step
         self._lock = threading.Lock()
@@ -51,7 +51,7 @@ class PolicyTrainer:
         """Linear decay by policy version (so a resumed run continues the same schedule)."""
         if not self.hp.total_steps:
             return 1.0
-        frac = min(getattr(self, "version", 0) / self.hp.total_steps, 1.0)
+        frac = min(self.version / self.hp.total_steps, 1.0)
         return 1.0 - (1.0 - self.hp.lr_final_ratio) * frac
 
     def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

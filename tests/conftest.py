@@ -9,12 +9,28 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from resources.engine import InferenceEngine  # noqa: E402
 from tasks.policy import PolicySpec, load_policy  # noqa: E402
+from tasks.records import EnvHandle, EnvObservation  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def policy():
     return load_policy(PolicySpec())
+
+
+@pytest.fixture
+def engine(policy):
+    """An in-process engine over the tiny policy (its batching thread closed afterwards)."""
+    eng = InferenceEngine(policy[0])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def obs():
+    """Build the observation record a prefill reads, from token ids."""
+    return lambda ids: EnvObservation(handle=EnvHandle("w", "e"), text="", input_ids=ids)
 
 
 @pytest.fixture

@@ -5,25 +5,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 import torch
 
-from resources.engine import InferenceEngine
 from tasks.generation import decode, prefill
 from tasks.policy import stop_token_ids
-from tasks.records import EnvHandle, EnvObservation, SamplingParams
-
-
-@pytest.fixture
-def engine(policy):
-    model, _ = policy
-    eng = InferenceEngine(model)
-    yield eng
-    eng.close()
-
-
-def _obs(ids):
-    return EnvObservation(handle=EnvHandle("w", "e"), text="", input_ids=ids)
+from tasks.records import SamplingParams
 
 
 def test_forward_matches_full_forward(engine, policy):
@@ -37,14 +23,14 @@ def test_forward_matches_full_forward(engine, policy):
     torch.testing.assert_close(b.last_logits, full[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_concurrent_requests_share_forward_passes_and_match_sequential(engine, policy):
+def test_concurrent_requests_share_forward_passes_and_match_sequential(engine, policy, obs):
     _, tok = policy
     prompts = [[3] + list(range(6, 6 + n)) + [4] for n in (2, 5, 9, 13, 3, 7, 11, 1)]
     params = SamplingParams(greedy=True, max_new_tokens=6)
     stops = stop_token_ids(tok)
 
     def run(ids, i):
-        pre = prefill(engine, None, _obs(ids))
+        pre = prefill(engine, None, obs(ids))
         return decode(engine, pre, None, tok, params, stops, 256, seed=i)
 
     sequential = [run(p, i) for i, p in enumerate(prompts)]
@@ -70,11 +56,11 @@ def test_concurrent_requests_share_forward_passes_and_match_sequential(engine, p
         np.testing.assert_allclose(results[i].sample.logprobs, seq.sample.logprobs, atol=1e-4)
 
 
-def test_weights_switch_at_safe_point_and_versions_are_recorded(engine, policy):
+def test_weights_switch_at_safe_point_and_versions_are_recorded(engine, policy, obs):
     model, tok = policy
     state = {k: (v.detach().numpy() * 0.5).astype(np.float32) for k, v in model.state_dict().items()}
     assert engine.load_weights(state, version=7) == 7
-    pre = prefill(engine, None, _obs([3, 6, 7, 4]))
+    pre = prefill(engine, None, obs([3, 6, 7, 4]))
     out = decode(engine, pre, None, tok, SamplingParams(max_new_tokens=3), [], 256, seed=0)
     assert pre.policy_version == 7
     assert out.sample.versions == [7] * len(out.sample.token_ids)
