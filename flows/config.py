@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from resources.affinity import Objective, Workload
 from resources.catalog import CATALOG, HardwareProfile
 from resources.pools import PoolSpec, Role
-from tasks.components import instantiate, resolve
+from tasks.components import instantiate
 from tasks.policy import PolicySpec
+from tasks.reward_handler import resolve_reward
 from tasks.trainer import TrainerHParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
@@ -41,7 +42,11 @@ class EnvTaskConfig(_Strict):
     env: dict[str, Any] = Field(description="{_component_: dotted path, **kwargs} of a TextEnv")
     weight: float = Field(default=1.0, gt=0, description="Share of groups drawn from this task")
     group_size: int = Field(default=8, ge=2, description="Trajectories per group (same seed)")
-    reward: str = Field(default="tasks.rewards.env_return", description="Reward function path")
+    reward: str = Field(default="tasks.rewards.env_return",
+                        description="Reward function path (in tasks.rewards or tasks.reward_models)")
+    reward_function: str | None = Field(
+        default=None, description="Lambda function that scores this task (null: "
+                                  "reward.function_name); model-based rewards need the model one")
     seed_range: int = Field(default=1_000_000, ge=1, description="Training seeds drawn below this")
     sampling: SamplingConfig | None = Field(default=None,
                                             description="Overrides rollout.sampling for this task")
@@ -65,9 +70,53 @@ class RolloutConfig(_Strict):
         description="Async: groups admitted beyond the window, so a batch is cut from the groups "
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
-    score_batch_max: int = Field(default=32, ge=1, description="Trajectories per score call")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class EmulatorConfig(_Strict):
+    enabled: bool = Field(default=True, description="backend=lambda: start the local Lambda "
+                          "emulation and point the client at it (no AWS account needed)")
+    template: str | None = Field(default=None, description="SAM template whose functions it "
+                                 "runs (null: resources/lambda/template.yaml)")
+    host: str = Field(default="127.0.0.1", description="Address it binds")
+    port: int = Field(default=0, ge=0, le=65535, description="Port (0: a free one)")
+    concurrency: int = Field(default=4, ge=1, description="Sandbox processes per function; "
+                             "calls beyond it get 429 TooManyRequestsException")
+    latency_s: float = Field(default=0.0, ge=0, description="Added to every call (a remote "
+                             "service's round trip; waits, burns no core)")
+    init_delay_s: float = Field(default=0.0, ge=0, description="Added to every cold start")
+
+
+class RewardConfig(_Strict):
+    backend: Literal["local", "lambda"] = Field(
+        default="lambda", description="lambda: boto3 lambda.invoke (AWS, or the emulation); "
+                                      "local: the handler's core in-process")
+    function_name: str = Field(default="rollarc-reward", description="Default Lambda function")
+    region: str = Field(default="us-east-1", description="AWS region")
+    endpoint_url: str | None = Field(default=None, description="Lambda endpoint (null: AWS, or "
+                                     "the emulation when emulator.enabled)")
+    concurrency: int = Field(default=16, ge=1, description="Concurrent invocations at most "
+                             "(and the client's connection pool)")
+    batch_max: int = Field(default=32, ge=1, description="Trajectories per invocation at most")
+    min_batch: int = Field(default=4, ge=1, description="A burst is spread over concurrent "
+                           "calls, but not below this many trajectories per call")
+    max_payload_bytes: int = Field(default=6 * 1024 * 1024 - 64 * 1024, ge=1024,
+                                   le=6 * 1024 * 1024,
+                                   description="Event size per invocation (sync limit: 6 MB)")
+    read_timeout_s: float = Field(default=130.0, gt=0, description="Above every function's "
+                                  "timeout, or the SDK re-sends a long call and it runs twice")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="Connect timeout")
+    sdk_max_attempts: int = Field(default=3, ge=1, description="botocore standard-mode attempts "
+                                  "(throttles and transport errors)")
+    throttle_retries: int = Field(default=8, ge=0, description="Client retries of a throttle "
+                                  "that outlasted botocore's attempts")
+    function_error_retries: int = Field(default=2, ge=0, description="Retries of a function "
+                                        "error; then its trajectories are dropped with reason")
+    emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
+
+    def functions(self, tasks: list[EnvTaskConfig]) -> set[str]:
+        return {t.reward_function or self.function_name for t in tasks}
 
 
 class TrainerConfig(_Strict):
@@ -111,6 +160,7 @@ class TrainConfig(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     cluster: ClusterConfig
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
@@ -138,20 +188,27 @@ class TrainConfig(_Strict):
                     f"trainer.hparams.temperature ({self.trainer.hparams.temperature}): the "
                     "trainer recomputes log-probs of the same sampling distribution")
         roles = {p.role for p in self.cluster.pools}
-        if Role.ALL not in roles:
-            for need in (Role.INFERENCE, Role.ENV, Role.TRAIN):
-                if need not in roles:
-                    raise ValueError(f"cluster.pools has no pool with role {need.value!r}")
+        needs = [Role.SERVERLESS] + ([] if Role.ALL in roles else
+                                     [Role.INFERENCE, Role.ENV, Role.TRAIN])
+        for need in needs:
+            if need not in roles:
+                raise ValueError(f"cluster.pools has no pool with role {need.value!r}")
+        if self.reward.backend == "lambda" and self.reward.emulator.enabled \
+                and self.reward.endpoint_url:
+            raise ValueError("reward.endpoint_url is set and reward.emulator.enabled is true: "
+                             "choose one (emulator.enabled=false to use the endpoint)")
         return self
 
     def effective_pools(self) -> list[PoolSpec]:
         """Monolithic: one pool of the same total size whose workers carry every tag."""
         if self.placement == "disaggregated":
             return list(self.cluster.pools)
-        total = sum(p.workers for p in self.cluster.pools)
-        slots = max(p.slots for p in self.cluster.pools)
+        hardware = [p for p in self.cluster.pools if p.role is not Role.SERVERLESS]
+        total = sum(p.workers for p in hardware)
+        slots = max(p.slots for p in hardware)
         return [PoolSpec(name="monolithic", profile=self.cluster.monolithic_profile, role=Role.ALL,
-                         workers=total, slots=slots)]
+                         workers=total, slots=slots)] + [
+            p for p in self.cluster.pools if p.role is Role.SERVERLESS]
 
 
 def _parse_value(text: str) -> Any:
@@ -232,16 +289,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _check_components(cfg: TrainConfig) -> None:
-    """Build each environment once and resolve each reward, so a bad component fails at start."""
+    """Build each environment once and resolve each reward, so a bad component fails at start;
+    with the emulation, check its functions exist and the read timeout exceeds theirs."""
+    if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled:
+        _check_emulated_functions(cfg)
     for i, task in enumerate(cfg.env_tasks):
         try:
             instantiate(task.env).close()
         except Exception as exc:
             raise ConfigError(f"env_tasks.{i}.env: {type(exc).__name__}: {exc}") from None
         try:
-            resolve(task.reward)
-        except ImportError as exc:
+            resolve_reward(task.reward)
+        except (ImportError, PermissionError) as exc:
             raise ConfigError(f"env_tasks.{i}.reward: {exc}") from None
+
+
+def _check_emulated_functions(cfg: TrainConfig) -> None:
+    from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
+
+    template = cfg.reward.emulator.template or DEFAULT_TEMPLATE
+    try:
+        specs = function_specs(load_sam_template(template))
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        raise ConfigError(f"reward.emulator.template: cannot read {template}: {exc}") from None
+    for name in sorted(cfg.reward.functions(cfg.env_tasks)):
+        if name not in specs:
+            raise ConfigError(f"reward.function_name / env_tasks.*.reward_function: {name!r} is "
+                              f"not a function of {template} ({sorted(specs)})")
+        if cfg.reward.read_timeout_s <= specs[name]["timeout_s"]:
+            raise ConfigError(
+                f"reward.read_timeout_s ({cfg.reward.read_timeout_s}) must exceed the timeout of "
+                f"{name} ({specs[name]['timeout_s']} s): the SDK would re-send a long call "
+                "while it still runs")
 
 
 def resolved_yaml(cfg: TrainConfig) -> str:

@@ -227,7 +227,7 @@ class RolloutDriver:
 def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str],
                    run_id: str) -> list[ScoreRequest]:
     """JSON-able scoring requests; the idempotency key names the run, trajectory and attempt."""
-    return [ScoreRequest(id=t.traj_id, idempotency_key=f"{run_id}/{t.traj_id}/{t.attempt}",
+    return [ScoreRequest(id=str(t.traj_id), idempotency_key=f"{run_id}/{t.traj_id}/{t.attempt}",
                          reward_fn=reward_fns[t.env_name],
                          env_name=t.env_name, env_rewards=t.env_rewards, responses=t.responses,
                          info=t.info) for t in trajs]

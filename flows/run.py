@@ -32,11 +32,16 @@ from flows.rollout import RolloutDriver, score_requests
 from resources.cluster import ClusterHandle
 from resources.placement import PlacementRecorder, placement_snapshot
 from resources.pools import Stage, Tag, demand
-from resources.reward_client import LocalRewardClient
-from resources.worker import RollArcWorkerPlugin, plain, with_engine, with_trainer, worker_report
+from resources.worker import (
+    RollArcWorkerPlugin,
+    with_engine,
+    with_reward_client,
+    with_trainer,
+    worker_report,
+)
 from tasks.policy import load_tokenizer, stop_token_ids
-from tasks.records import TrainBatch, TrainStats, Trajectory
-from tasks.rewards import score
+from tasks.records import InvocationRecord, ScoreBatch, TrainBatch, TrainStats, Trajectory
+from tasks.scoring import score
 from tasks.trainer import load_weights, publish_weights, save_checkpoint, train_step
 
 logger = logging.getLogger(__name__)
@@ -56,14 +61,56 @@ class RunState:
     train_windows: list[tuple[float, float]] = field(default_factory=list)
     train_submitted_at: float = 0.0
     groups: int = 0
-    score_calls: int = 0
+    score_tasks: int = 0
+
+
+@dataclass
+class RewardStats:
+    """Every reward-function call of the run, from the clients' records."""
+
+    calls: list[InvocationRecord] = field(default_factory=list)
+    deduplicated: int = 0
+
+    def add(self, batch: ScoreBatch) -> None:
+        self.calls.extend(batch.invocations)
+        self.deduplicated += batch.deduplicated
+
+    def summary(self) -> dict:
+        c = self.calls
+        reached = [r for r in c if r.status in ("ok", "function_error", "bad_event")]
+        lat = [r.latency_s * 1000 for r in c]
+        init = [r.init_ms for r in c if r.init_ms is not None]
+        return {
+            "invocations": len(c),
+            "trajectories_sent": sum(r.batch_size for r in reached),
+            "mean_batch": float(np.mean([r.batch_size for r in reached])) if reached else 0.0,
+            "latency_ms_p50": float(np.percentile(lat, 50)) if lat else 0.0,
+            "latency_ms_p99": float(np.percentile(lat, 99)) if lat else 0.0,
+            "sdk_retries": sum(r.sdk_retries for r in c),
+            "throttles": sum(r.throttles for r in c),
+            "client_retries": max(0, len(c) - len(reached)) + sum(
+                r.status == "function_error" for r in c),
+            "function_errors": sum(r.status == "function_error" for r in c),
+            "cold_starts": len(init),
+            "init_ms_mean": float(np.mean(init)) if init else 0.0,
+            "statuses": dict(Counter(r.status for r in c)),
+            "deduplicated": self.deduplicated,
+        }
 
 
 class TrainingRun:
     """Wires the cluster, the rollout driver, the collector and the trainer for one run."""
 
-    def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink):
+    def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink,
+                 reward_endpoint: str | None = None):
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
+        if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
+            raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
+                             "reward_endpoint (flows.train.start_reward_service starts it)")
+        # the reward config the workers' clients are built from, endpoint resolved
+        self.reward_cfg = cfg.reward.model_dump() | {
+            "endpoint_url": reward_endpoint or cfg.reward.endpoint_url,
+            "emulated": reward_endpoint is not None}
         self.client = cluster.client
         self.router = Router({str(t): cluster.workers_with(t) for t in Tag})
         for tag in Tag:
@@ -80,13 +127,19 @@ class TrainingRun:
         self.collector = GroupCollector()
         self.state = RunState()
         self.rng = random.Random(cfg.seed)
-        self.reward_client = LocalRewardClient(max_batch=cfg.rollout.score_batch_max)
         self.reward_fns = {t.name: t.reward for t in cfg.env_tasks}
+        self.reward_function = {t.name: t.reward_function or cfg.reward.function_name
+                                for t in cfg.env_tasks}
+        self.reward_stats = RewardStats()
+        # one score task carries what the client can send at once; it fans the burst out itself
+        self.score_task_max = cfg.reward.batch_max * cfg.reward.concurrency
         self.env_names = [t.name for t in cfg.env_tasks]
         self.ac = as_completed(raise_errors=False)
         self.batch_trajectories = sum(
             t.group_size * t.weight for t in cfg.env_tasks) / sum(
             t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step
+        self.reward_failure_streak = 0
+        self.max_reward_failure_streak = 4 * int(round(self.batch_trajectories))
         self.t0 = time.perf_counter()
         self._next_task = None
         # a rolling-out trajectory holds at most one task of each pool at a time
@@ -100,7 +153,7 @@ class TrainingRun:
             policy=self.cfg.policy.model_dump(),
             trainer=self.cfg.trainer.hparams.model_dump()
             | {"total_steps": self.cfg.trainer.hparams.total_steps or self.cfg.trainer.max_steps},
-            seed=self.cfg.seed))
+            seed=self.cfg.seed, reward=self.reward_cfg))
         if self.cfg.trainer.resume_from:
             from tasks.trainer import PolicyTrainer
 
@@ -175,18 +228,24 @@ class TrainingRun:
                 self._track(self.driver.new_trajectory(gid, task, seed), "step")
 
     def _flush_scores(self) -> None:
+        """Send finished trajectories to their reward function: one score task per function and
+        burst, on the SERVERLESS pool; the client there packs and fans out the invocations."""
         s = self.state
-        while s.pending_score:
-            batch = s.pending_score[: self.cfg.rollout.score_batch_max]
-            del s.pending_score[: len(batch)]
-            worker = self.router.choose(Tag.CPU_ENV)
-            fut = self.client.submit(plain, score, self.reward_client,
-                                     score_requests(batch, self.reward_fns, self.run_id),
-                                     key=f"score-{s.score_calls}", workers=[worker], pure=False,
-                                     resources=demand(Stage.SCORE))
-            s.score_calls += 1
-            s.scoring[fut.key] = batch
-            self._track(fut, "score")
+        by_function: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in s.pending_score:
+            by_function[self.reward_function[t.env_name]].append(t)
+        s.pending_score = []
+        for function, trajs in by_function.items():
+            for i in range(0, len(trajs), self.score_task_max):
+                batch = trajs[i: i + self.score_task_max]
+                fut = self.client.submit(
+                    with_reward_client, score, function,
+                    score_requests(batch, self.reward_fns, self.run_id),
+                    key=f"score-{s.score_tasks}", workers=[self.router.choose(Tag.SERVERLESS)],
+                    pure=False, resources=demand(Stage.SCORE))
+                s.score_tasks += 1
+                s.scoring[fut.key] = batch
+                self._track(fut, "score")
 
     def _maybe_train(self) -> None:
         s = self.state
@@ -241,21 +300,30 @@ class TrainingRun:
             self.state.finished += 1
             self.state.pending_score.append(traj)
 
-    def _on_score(self, fut: Future, result) -> None:
+    def _on_score(self, fut: Future, result: ScoreBatch | None) -> None:
         batch = self.state.scoring.pop(fut.key)
         if fut.status == "error":
             results = [None] * len(batch)
-            err = f"reward_error:{type(fut.exception()).__name__}"
+            err = f"reward_task_error: {fut.exception()!r}"
         elif result is None:  # the result was lost with its worker
-            results, err = [None] * len(batch), "reward_error:lost"
+            results, err = [None] * len(batch), "reward_task_lost"
         else:
-            results, err = result, None
+            self.reward_stats.add(result)
+            results, err = result.results, None
         for traj, res in zip(batch, results, strict=True):
             if res is None or res.score is None:
-                self.driver.record_drop(traj.traj_id, err or "reward_error",
-                                        getattr(res, "error", None) or "")
+                detail = (res.error if res is not None else err) or "reward_error"
+                self.reward_failure_streak += 1
+                # a reward service that fails every call would otherwise spin the run forever
+                if self.reward_failure_streak >= self.max_reward_failure_streak:
+                    raise RuntimeError(
+                        f"reward scoring failed for the last {self.reward_failure_streak} "
+                        f"trajectories, the last with: {detail}")
+                # the reason is the error's kind ("reward_function_error", ...), details kept
+                self.driver.record_drop(traj.traj_id, detail.split(":", 1)[0], detail)
                 self.collector.drop_member(traj.group_id)
             else:
+                self.reward_failure_streak = 0
                 traj.reward, traj.reward_details = float(res.score), res.details
                 self.collector.add(traj)
         self._drop_orphans()
@@ -268,7 +336,7 @@ class TrainingRun:
         s.train_windows.append((s.train_submitted_at, time.perf_counter()))
         s.version = stats.policy_version
         metrics = {"train/step": s.version, **stats.log("train"), **(s.batch_info or {}),
-                   **self._perf_metrics()}
+                   **self._perf_metrics(), **self._reward_metrics()}
         self.sink.log(metrics)
         self.last_metrics = metrics
         progress.update(metrics, self.env_names)
@@ -301,6 +369,14 @@ class TrainingRun:
                 [t.env_step_s / max(t.num_turns, 1) for t in ts]))
             m[f"env/{name}/trajectories"] = len(ts)
         return m
+
+    def _reward_metrics(self) -> dict:
+        r = self.reward_stats.summary()
+        keys = ("invocations", "mean_batch", "latency_ms_p50", "latency_ms_p99", "throttles",
+                "sdk_retries", "function_errors", "cold_starts")
+        return {f"reward/{k}": r[k] for k in keys} | {
+            "reward/lost": sum(v for k, v in self.driver.dropped.items()
+                               if k.startswith("reward_"))}
 
     def _perf_metrics(self) -> dict:
         elapsed = time.perf_counter() - self.t0
@@ -390,8 +466,11 @@ class TrainingRun:
             "drop_details": d.drop_details[:20],
             "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
             "rollout_tasks_submitted": dict(d.stage_submitted),
-            "score": {"invocations": self.state.score_calls,
-                      "mean_batch": self.state.finished / max(self.state.score_calls, 1)},
+            "reward": self.reward_stats.summary() | {
+                "backend": self.cfg.reward.backend,
+                "endpoint": self.reward_cfg["endpoint_url"] or "aws",
+                "score_tasks": self.state.score_tasks,
+                "lost": {k: v for k, v in d.dropped.items() if k.startswith("reward_")}},
             "live_env_instances_at_end": live_envs,
             "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
                         for a, r in reports.items()},

@@ -6,9 +6,13 @@ as trajectories finish, and the trainer trains while rollouts continue (``mode=a
 staleness bounded by ``rollout.max_staleness``. ``mode=sync`` and ``placement=monolithic`` are the
 baselines of arXiv 2512.22560, run by this same flow.
 
+Rewards are scored by AWS Lambda functions through boto3 (``reward.backend=lambda``); the embedded
+default starts a local emulation of the Lambda Invoke API that runs the functions of
+``resources/lambda/template.yaml``, so the same client path is exercised without an AWS account.
+
 Departures from the paper: the embedded default emulates hardware profiles with local CPU worker
 processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-worker transfers
-(TCP) instead of GPU-to-GPU RDMA; reward scoring runs the Lambda handler in-process.
+(TCP) instead of GPU-to-GPU RDMA.
 
     # embedded default: local cluster, one worker per pool, dashboard on :8787
     python flows/train.py
@@ -16,6 +20,10 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
     python flows/train.py mode=sync placement=monolithic trainer.max_steps=20
     # an existing cluster (workers: dask worker tcp://HOST:8786 --resources "GPU_COMPUTE=32")
     python flows/train.py --scheduler tcp://HOST:8786 --run-dir runs/cluster
+    # rewards on AWS Lambda (after sam deploy; credentials from the usual AWS chain)
+    python flows/train.py reward.emulator.enabled=false reward.region=eu-west-1
+    # a model-based reward (sentence embeddings) on the text-answer task
+    python flows/train.py --config config/text_answer.yaml
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from flows.metrics import ProgressLine, make_sink
 from flows.run import TrainingRun
 from resources.affinity import pool_tags, route
 from resources.cluster import ClusterHandle, connect, start_local_cluster
+from resources.lambda_emulator import LambdaEmulator
 
 logger = logging.getLogger("rollarc")
 
@@ -55,6 +64,37 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s)
 
 
+def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
+    """backend=lambda with the emulation: start it, and check every function the run calls
+    answers a DryRun through the very client the workers use (fail fast, not mid-run)."""
+    from resources.reward_client import build_reward_client
+
+    emulator = None
+    if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled:
+        e = cfg.reward.emulator
+        emulator = LambdaEmulator.from_template(
+            e.template, host=e.host, port=e.port, concurrency=e.concurrency,
+            latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region).start()
+    if cfg.reward.backend == "lambda":
+        reward = cfg.reward.model_dump() | {
+            "endpoint_url": emulator.url if emulator else cfg.reward.endpoint_url,
+            "emulated": emulator is not None}
+        try:
+            for name in sorted(cfg.reward.functions(cfg.env_tasks)):
+                client = build_reward_client(reward, name)
+                try:
+                    client.check()
+                finally:
+                    client.close()
+        except RuntimeError:
+            if emulator is not None:
+                emulator.stop()
+            raise
+        logger.info("reward functions %s reachable at %s", sorted(cfg.reward.functions(
+            cfg.env_tasks)), reward["endpoint_url"] or f"AWS Lambda ({cfg.reward.region})")
+    return emulator
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -70,11 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
     logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml", resolved_yaml(cfg))
 
+    try:
+        emulator = start_reward_service(cfg)
+    except RuntimeError as exc:
+        print(f"reward service error: {exc}", file=sys.stderr)
+        return 3
     cluster = make_cluster(cfg, args.scheduler)
     sink = make_sink(cfg.metrics.sink, run_dir)
     try:
         print(f"Dask dashboard: {cluster.dashboard_link}", flush=True)
-        run = TrainingRun(cfg, cluster, run_dir, sink)
+        run = TrainingRun(cfg, cluster, run_dir, sink, emulator.url if emulator else None)
         run.setup()
         with ProgressLine(cfg.trainer.max_steps, cfg.metrics.progress) as progress:
             run.run(progress)
@@ -85,9 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"done: v{summary['policy_version']} in {summary['elapsed_s']:.0f}s, "
               f"{t['trained']}/{t['started']} trajectories trained, dropped {t['dropped']}; "
               f"run dir {run_dir}", flush=True)
+        r = summary["reward"]
+        print(f"reward: {r['invocations']} invocations, {r['mean_batch']:.1f} trajectories per "
+              f"call, {r['throttles']} throttles, {sum(r['lost'].values())} trajectories lost "
+              "to scoring", flush=True)
     finally:
         sink.close()
         cluster.close()
+        if emulator is not None:
+            emulator.stop()
     return 0
 
 

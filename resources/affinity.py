@@ -87,7 +87,9 @@ def pool_tags(pools: list[PoolSpec], routing: dict[Stage, str]) -> dict[str, lis
     tags: dict[str, list[Tag]] = {p.name: [] for p in pools}
     for p in pools:
         if p.role is Role.ALL:
-            tags[p.name] = list(Tag)
+            tags[p.name] = [t for t in Tag if t is not Tag.SERVERLESS]
+        elif p.role is Role.SERVERLESS:
+            tags[p.name].append(Tag.SERVERLESS)
         elif p.role is Role.ENV:
             tags[p.name].append(Tag.CPU_ENV)
         elif p.role is Role.TRAIN:

@@ -35,14 +35,19 @@ class Tag(StrEnum):
     GPU_BANDWIDTH = "GPU_BANDWIDTH"
     CPU_ENV = "CPU_ENV"
     TRAINER = "TRAINER"
+    # Dispatches calls to serverless functions (reward scoring): I/O for the caller, so a pool
+    # of threads of its own, never an inference or environment worker's slots.
+    SERVERLESS = "SERVERLESS"
 
 
 class Role(StrEnum):
-    """What a pool is for. ``all`` is the monolithic case: one pool carries every tag."""
+    """What a pool is for. ``all`` is the monolithic case: one pool carries every hardware tag
+    (``SERVERLESS`` stays on its own pool: it dispatches calls, it runs nothing heavy)."""
 
     INFERENCE = "inference"
     ENV = "env"
     TRAIN = "train"
+    SERVERLESS = "serverless"
     ALL = "all"
 
 
@@ -55,7 +60,7 @@ STAGE_TAG: dict[Stage, Tag] = {
     Stage.ENV_RESET: Tag.CPU_ENV,
     Stage.ENV_STEP: Tag.CPU_ENV,
     Stage.ENV_CLOSE: Tag.CPU_ENV,
-    Stage.SCORE: Tag.CPU_ENV,
+    Stage.SCORE: Tag.SERVERLESS,
     Stage.TRAIN_STEP: Tag.TRAINER,
     Stage.PUBLISH_WEIGHTS: Tag.TRAINER,
     Stage.SAVE_CHECKPOINT: Tag.TRAINER,
@@ -74,7 +79,7 @@ class PoolSpec(BaseModel):
 
     name: str = Field(description="Pool name; worker names are '<pool>-<i>'")
     profile: str = Field(description="Hardware profile name from the catalog")
-    role: Role = Field(description="inference | env | train | all")
+    role: Role = Field(description="inference | env | train | serverless | all")
     workers: int = Field(default=1, ge=1, description="Worker processes in the pool")
     slots: int = Field(default=32, ge=1, description="Concurrent tasks per worker (resource total)")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker")

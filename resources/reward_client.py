@@ -1,45 +1,176 @@
-"""The reward-client interface and its ``local`` backend.
+"""The reward-client interface, what every backend shares, and the ``local`` backend.
 
-A client scores a batch of :class:`ScoreRequest` and returns one :class:`ScoreResult` per request,
-in order; failures come back as results with ``error`` set, never as silent zeros. The ``local``
-backend calls the very handler that is deployed to AWS Lambda, in-process, with the same JSON.
+A client scores a batch of :class:`ScoreRequest` and returns a :class:`ScoreBatch`: one
+:class:`ScoreResult` per request, in order, plus a record of every call it made. Failures come
+back as results with ``error`` set (``"<reason>: <message>"``), never as silent zeros, and a
+trajectory's reward is applied once per idempotency key (the :class:`ScoreLedger`), however often
+its batch was sent. Backends:
+
+- ``local`` (:class:`LocalRewardClient`): the deployed handler's core, in-process, with the
+  same JSON round trip;
+- ``lambda`` (:class:`resources.lambda_client.LambdaRewardClient`): boto3 against AWS Lambda or
+  the local emulation of its Invoke API.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Protocol
+import math
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
 
-from tasks.records import ScoreRequest, ScoreResult
-from tasks.rewards import SCHEMA_VERSION, handler
+from tasks.records import InvocationRecord, ScoreBatch, ScoreRequest, ScoreResult
+from tasks.scoring import RewardClient
+
+SCHEMA_VERSION = 1
 
 
-class RewardClient(Protocol):
-    def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]: ...
+def chunk_size(n: int, concurrency: int, min_batch: int, batch_max: int) -> int:
+    """Items per invocation for a burst of ``n``: spread over up to ``concurrency`` concurrent
+    calls, but not below ``min_batch`` (a call's overhead wants amortising) nor above
+    ``batch_max``."""
+    if n <= 0:
+        return 0
+    return max(1, min(batch_max, max(min_batch, math.ceil(n / concurrency)), n))
+
+
+def pack(requests: list[ScoreRequest], size: int, max_payload_bytes: int) -> list[list[ScoreRequest]]:
+    """Consecutive chunks of at most ``size`` requests whose event stays under
+    ``max_payload_bytes`` (a single request over the limit gets a chunk of its own, and the
+    service's 413 reports it)."""
+    chunks: list[list[ScoreRequest]] = []
+    cur: list[ScoreRequest] = []
+    cur_bytes = len(json.dumps({"schema_version": SCHEMA_VERSION, "items": []}))
+    base = cur_bytes
+    for r in requests:
+        b = len(json.dumps(r.to_json())) + 2  # the item and its separator
+        if cur and (len(cur) >= size or cur_bytes + b > max_payload_bytes):
+            chunks.append(cur)
+            cur, cur_bytes = [], base
+        cur.append(r)
+        cur_bytes += b
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def event_of(chunk: list[ScoreRequest]) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, "items": [r.to_json() for r in chunk]}
+
+
+def results_of(chunk: list[ScoreRequest], response: Any) -> list[ScoreResult]:
+    """Per-request results of a handler response (matched by idempotency key)."""
+    if not isinstance(response, dict):
+        return [ScoreResult(r.id, None, error="reward_bad_response: not a JSON object")
+                for r in chunk]
+    if "error" in response:  # the whole event was rejected: retrying cannot help
+        err = response["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return [ScoreResult(r.id, None, error=f"reward_bad_event: {msg}") for r in chunk]
+    by_key = {r.get("idempotency_key"): r for r in response.get("results", [])
+              if isinstance(r, dict)}
+    out = []
+    for req in chunk:
+        r = by_key.get(req.idempotency_key)
+        if r is None:
+            out.append(ScoreResult(req.id, None, error="reward_missing_result: no result for "
+                                                       f"{req.idempotency_key}"))
+        elif r.get("score") is None:
+            out.append(ScoreResult(req.id, None, error=f"reward_item_error: {r.get('error')}"))
+        else:
+            out.append(ScoreResult(req.id, float(r["score"]), r.get("details") or {}))
+    return out
+
+
+class ScoreLedger:
+    """Scores applied so far, by idempotency key (bounded, oldest forgotten first): a key scored
+    twice (a re-sent invocation, a re-run task) is applied once."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        self._scores: OrderedDict[str, ScoreResult] = OrderedDict()
+        self._lock = threading.Lock()
+        self.duplicates = 0
+
+    def get(self, key: str) -> ScoreResult | None:
+        with self._lock:
+            return self._scores.get(key)
+
+    def apply(self, key: str, result: ScoreResult) -> ScoreResult:
+        """Record ``result`` for ``key`` unless one is recorded already; return the recorded."""
+        if result.score is None:
+            return result
+        with self._lock:
+            if key in self._scores:
+                self.duplicates += 1
+                return self._scores[key]
+            self._scores[key] = result
+            while len(self._scores) > self.capacity:
+                self._scores.popitem(last=False)
+            return result
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+
+def split_known(ledger: ScoreLedger, requests: list[ScoreRequest]
+                ) -> tuple[dict[int, ScoreResult], list[tuple[int, ScoreRequest]]]:
+    """Requests already in the ledger (answered from it) and the rest, by position."""
+    known: dict[int, ScoreResult] = {}
+    todo: list[tuple[int, ScoreRequest]] = []
+    for i, r in enumerate(requests):
+        hit = ledger.get(r.idempotency_key)
+        if hit is not None:
+            known[i] = ScoreResult(r.id, hit.score, hit.details)
+        else:
+            todo.append((i, r))
+    return known, todo
 
 
 class LocalRewardClient:
-    """Runs ``tasks.rewards.handler`` in-process, through a JSON round trip."""
+    """Runs the deployed handler's core (:func:`tasks.reward_handler.handle`) in-process,
+    through a JSON round trip; for runs without a Lambda endpoint."""
 
-    def __init__(self, max_batch: int = 64):
-        self.max_batch = max_batch
-        self.invocations = 0
+    def __init__(self, batch_max: int = 32, min_batch: int = 1,
+                 max_payload_bytes: int = 6_000_000):
+        self.batch_max, self.min_batch = batch_max, min_batch
+        self.max_payload_bytes = max_payload_bytes
+        self.ledger = ScoreLedger()
 
-    def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
-        out: list[ScoreResult] = []
-        for i in range(0, len(requests), self.max_batch):
-            chunk = requests[i : i + self.max_batch]
-            event = json.loads(json.dumps(
-                {"schema_version": SCHEMA_VERSION, "items": [r.to_json() for r in chunk]}))
-            response = json.loads(json.dumps(handler(event, None)))
-            self.invocations += 1
-            by_id = {r["id"]: r for r in response.get("results", [])}
-            for req in chunk:
-                r = by_id.get(req.id)
-                if r is None:
-                    out.append(ScoreResult(req.id, None, error=response.get("error", "no result")))
-                else:
-                    out.append(ScoreResult(req.id, r.get("score"), r.get("details", {}),
-                                           r.get("error")))
-        return out
+    def score(self, requests: list[ScoreRequest]) -> ScoreBatch:
+        from tasks.reward_handler import handle
 
+        known, todo = split_known(self.ledger, requests)
+        out: dict[int, ScoreResult] = dict(known)
+        records = []
+        size = chunk_size(len(todo), 1, self.min_batch, self.batch_max)
+        reqs = [r for _, r in todo]
+        pos = {id(r): i for i, r in todo}
+        for chunk in pack(reqs, size, self.max_payload_bytes):
+            payload = json.dumps(event_of(chunk))
+            t = time.perf_counter()
+            response = json.loads(json.dumps(handle(json.loads(payload))))
+            results = results_of(chunk, response)
+            records.append(InvocationRecord(
+                "local", len(chunk), len(payload), time.perf_counter() - t,
+                "bad_event" if "error" in response else "ok"))
+            for req, res in zip(chunk, results, strict=True):
+                out[pos[id(req)]] = self.ledger.apply(req.idempotency_key, res)
+        return ScoreBatch([out[i] for i in range(len(requests))], records, len(known))
+
+
+def build_reward_client(reward: dict[str, Any], function_name: str) -> RewardClient:
+    """The client of ``reward`` (``TrainConfig.reward`` as a dict, its ``endpoint_url`` resolved)
+    for one function."""
+    if reward["backend"] == "local":
+        return LocalRewardClient(reward["batch_max"], reward["min_batch"],
+                                 reward["max_payload_bytes"])
+    from resources.lambda_client import LambdaRewardClient
+
+    keys = ("region", "endpoint_url", "concurrency", "batch_max", "min_batch",
+            "max_payload_bytes", "read_timeout_s", "connect_timeout_s", "sdk_max_attempts",
+            "throttle_retries", "function_error_retries")
+    return LambdaRewardClient(function_name, **{k: reward[k] for k in keys},
+                              dummy_credentials=bool(reward.get("emulated")))

@@ -72,15 +72,17 @@ class RollArcWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, policy: dict, trainer: dict, seed: int = 0):
+    def __init__(self, policy: dict, trainer: dict, seed: int = 0, reward: dict | None = None):
         self.policy_spec = policy
         self.trainer_hp = trainer
         self.seed = seed
+        self.reward_cfg = reward or {"backend": "local"}
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
         self._lock = threading.RLock()
         self._engine = self._envs = self._tokenizer = self._trainer = None
+        self._reward_clients: dict[str, Any] = {}
         self.address = worker.address
         # the pool's torch_threads reach the worker as an environment variable (Nanny env)
         torch.set_num_threads(int(os.environ.get(TORCH_THREADS_ENV, "1")))
@@ -90,6 +92,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
     def teardown(self, worker) -> None:
         if self._engine is not None:
             self._engine.close()
+        for c in self._reward_clients.values():
+            getattr(c, "close", lambda: None)()
 
     @property
     def spec(self) -> PolicySpec:
@@ -129,6 +133,16 @@ class RollArcWorkerPlugin(WorkerPlugin):
                                               seed=self.seed)
             return self._trainer
 
+    def reward_client(self, function_name: str):
+        """This worker's client of one reward function (one connection pool, one ledger)."""
+        from resources.reward_client import build_reward_client
+
+        with self._lock:
+            if function_name not in self._reward_clients:
+                self._reward_clients[function_name] = build_reward_client(self.reward_cfg,
+                                                                          function_name)
+            return self._reward_clients[function_name]
+
     def report(self) -> dict:
         """Counters for summaries and tests."""
         out: dict[str, Any] = {"address": self.address}
@@ -139,6 +153,9 @@ class RollArcWorkerPlugin(WorkerPlugin):
                            "closed": self._envs.closed}
         if self._trainer is not None:
             out["trainer"] = {"version": self._trainer.version}
+        if self._reward_clients:
+            out["reward_ledger"] = {n: {"keys": len(c.ledger), "duplicates": c.ledger.duplicates}
+                                    for n, c in self._reward_clients.items()}
         return out
 
 
@@ -173,8 +190,13 @@ def with_trainer(fn, *args, **kwargs):
 
 
 def plain(fn, *args, **kwargs):
-    """Tasks that need no worker-resident state (scoring)."""
+    """Tasks that need no worker-resident state."""
     return fn(*args, **kwargs)
+
+
+def with_reward_client(fn, function_name: str, *args, **kwargs):
+    """Call ``fn(client, *args)`` with this worker's client of the reward function."""
+    return fn(_plugin().reward_client(function_name), *args, **kwargs)
 
 
 def worker_report(dask_worker=None) -> dict:

@@ -31,6 +31,11 @@ WORDS = (
     "cell yes no ok stop start wall box push solved answer think , . : ?"
 ).split()
 NUMBERS = [str(i) for i in range(0, 33)]
+# Appended after the digits, so the ids above stay as they were.
+ANSWER_WORDS = [w for w in dict.fromkeys(
+    "what color is sky grass snow animal barks says meow frozen water shines day opposite of "
+    "hot blue green white dog cat ice sun cold apple fruit red puppy kitten yellow black night "
+    "moon warm fish bird tree banana".split())]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
@@ -60,7 +65,7 @@ class PolicySpec(BaseModel):
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The shipped word-level tokenizer with a compact chat template."""
     vocab: dict[str, int] = {}
-    for tok in SPECIAL_TOKENS + WORDS + NUMBERS:
+    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + ANSWER_WORDS:
         vocab.setdefault(tok, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

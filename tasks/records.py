@@ -153,10 +153,41 @@ class ScoreRequest:
 
 @dataclass
 class ScoreResult:
+    """One trajectory's reward, or ``error`` (``"<reason>: <message>"``) and no score."""
+
     id: str
     score: float | None
     details: dict = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class InvocationRecord:
+    """One call of a reward function (one Lambda ``invoke``, or one in-process call).
+
+    ``status`` is ``ok``, ``function_error``, ``bad_event``, or the AWS error code the call
+    ended with (e.g. ``TooManyRequestsException`` once retries ran out). ``sdk_retries`` are the
+    re-sends botocore made itself; ``throttles`` counts every 429 seen, whichever layer retried.
+    """
+
+    function: str
+    batch_size: int
+    payload_bytes: int
+    latency_s: float
+    status: str
+    sdk_retries: int = 0
+    throttles: int = 0
+    cold_start: bool = False
+    init_ms: float | None = None
+
+
+@dataclass
+class ScoreBatch:
+    """What the ``score`` task returns: one result per request, in order, and the calls made."""
+
+    results: list[ScoreResult]
+    invocations: list[InvocationRecord] = field(default_factory=list)
+    deduplicated: int = 0  # requests answered from the client's ledger (key already scored)
 
 
 @dataclass

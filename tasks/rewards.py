@@ -1,49 +1,82 @@
-"""Reward functions and the reward handler.
+"""Rule-based reward functions: pure, one JSON-able trajectory item in, a score and details out.
 
-Reward functions are pure: one JSON-able request in, a score and details out. ``handler`` is the
-function deployed to AWS Lambda (and called in-process by the ``local`` backend): it takes a batch
-event as JSON and returns one result per item, so one bad item does not fail its batch.
+An item is what :class:`tasks.records.ScoreRequest` sends over the Lambda boundary: ``id``,
+``idempotency_key``, ``reward_fn``, ``env_name``, ``env_rewards``, ``responses`` (the agent's
+text per turn) and ``info`` (the environment's final info). The verifiers replay the agent's
+answers against the task itself instead of trusting the environment's own return; they import
+nothing heavier than the parsers, so they ship in the zip-packaged Lambda function
+(``resources/lambda/template.yaml``). The model-based rewards live in :mod:`tasks.reward_models`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tasks.components import resolve
+from tasks.envs.frozenlake import ACTIONS, parse_action
+from tasks.envs.guess_number import parse_guess
 
-SCHEMA_VERSION = 1
+Item = dict[str, Any]
+RewardOutput = tuple[float, dict[str, Any]]
+
+_MOVES = {ACTIONS["left"]: (0, -1), ACTIONS["down"]: (1, 0), ACTIONS["right"]: (0, 1),
+          ACTIONS["up"]: (-1, 0)}
 
 
-def env_return(item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """Rule-based verifier: the environment's own return (success pays 1, format errors cost
-    their penalty), with the success flag as a detail."""
+def env_return(item: Item) -> RewardOutput:
+    """The environment's own return (success pays 1, format errors cost their penalty)."""
     rewards = [float(r) for r in item["env_rewards"]]
     return sum(rewards), {"success": bool(item["info"].get("success", False)),
                           "format_errors": int(item["info"].get("format_errors", 0))}
 
 
-def success_only(item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def success_only(item: Item) -> RewardOutput:
     """1 for success, 0 otherwise; ignores format penalties."""
     ok = bool(item["info"].get("success", False))
     return float(ok), {"success": ok}
 
 
-def handler(event: dict[str, Any], context: Any = None) -> dict[str, Any]:
-    """Score a batch: ``{"schema_version": 1, "items": [{id, reward_fn, ...}]}``."""
-    if event.get("schema_version") != SCHEMA_VERSION:
-        return {"error": f"schema_version must be {SCHEMA_VERSION}", "results": []}
-    results = []
-    for item in event.get("items", []):
-        try:
-            fn = resolve(item["reward_fn"])
-            score, details = fn(item)
-            results.append({"id": item["id"], "score": float(score), "details": details})
-        except Exception as exc:  # per item: the rest of the batch is still scored
-            results.append({"id": item.get("id"), "score": None,
-                            "error": f"{type(exc).__name__}: {exc}"})
-    return {"schema_version": SCHEMA_VERSION, "results": results}
+def frozenlake_verifier(item: Item) -> RewardOutput:
+    """Replay the agent's moves on the episode's map: 1 for reaching G without entering a hole,
+    minus the format penalty per unparseable answer. Needs ``info.map`` (rows of S/F/H/G)."""
+    info = item["info"]
+    grid: list[str] = info["map"]
+    if not grid or any(len(row) != len(grid[0]) for row in grid):
+        raise ValueError("info.map must be non-empty rows of equal length")
+    penalty = float(info.get("format_penalty", 0.0))
+    starts = [(r, c) for r, row in enumerate(grid) for c, ch in enumerate(row) if ch == "S"]
+    if len(starts) != 1:
+        raise ValueError("info.map must hold exactly one start S")
+    (row, col), success, format_errors = starts[0], False, 0
+    for text in item["responses"]:
+        action = parse_action(text)
+        if action is None:
+            format_errors += 1
+            continue
+        dr, dc = _MOVES[action]
+        row = min(max(row + dr, 0), len(grid) - 1)
+        col = min(max(col + dc, 0), len(grid[0]) - 1)
+        if grid[row][col] in "HG":
+            success = grid[row][col] == "G"
+            break
+    return float(success) - penalty * format_errors, {
+        "success": success, "format_errors": format_errors,
+        "agrees_with_env": success == bool(info.get("success", False))}
 
 
-def score(client, requests: list) -> list:
-    """The ``score`` task: one call of a reward client for a batch of finished trajectories."""
-    return client.score(requests)
+def guess_number_verifier(item: Item) -> RewardOutput:
+    """1 if an answer names the secret, minus the format penalty per answer that is not a number
+    in range. Needs ``info.secret``, ``info.low`` and ``info.high``."""
+    info = item["info"]
+    secret, low, high = int(info["secret"]), int(info["low"]), int(info["high"])
+    penalty = float(info.get("format_penalty", 0.0))
+    success, format_errors = False, 0
+    for text in item["responses"]:
+        guess = parse_guess(text)
+        if guess is None or not low <= guess <= high:
+            format_errors += 1
+        elif guess == secret:
+            success = True
+            break
+    return float(success) - penalty * format_errors, {
+        "success": success, "format_errors": format_errors,
+        "agrees_with_env": success == bool(info.get("success", False))}

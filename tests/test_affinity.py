@@ -47,11 +47,15 @@ def test_one_device_kind_colocates():
 def test_monolithic_is_one_pool_with_every_tag():
     cfg = load_config(overrides=["placement=monolithic"])
     pools = cfg.effective_pools()
-    assert len(pools) == 1 and pools[0].role is Role.ALL
-    assert pools[0].workers == sum(p.workers for p in cfg.cluster.pools)
+    # one pool carries every hardware tag; reward dispatch keeps its own pool
+    assert [p.role for p in pools] == [Role.ALL, Role.SERVERLESS]
+    assert pools[0].workers == sum(p.workers for p in cfg.cluster.pools
+                                   if p.role is not Role.SERVERLESS)
     r = route(pools, W)
     assert set(r.values()) == {pools[0].name}
-    assert set(pool_tags(pools, r)[pools[0].name]) == set(Tag)
+    tags = pool_tags(pools, r)
+    assert set(tags[pools[0].name]) == set(Tag) - {Tag.SERVERLESS}
+    assert tags["reward"] == [Tag.SERVERLESS]
 
 
 def test_default_config_tags():
@@ -59,4 +63,4 @@ def test_default_config_tags():
     pools = cfg.effective_pools()
     tags = pool_tags(pools, route(pools, cfg.affinity.workload, cfg.affinity.objective))
     assert tags == {"compute": [Tag.GPU_COMPUTE], "bandwidth": [Tag.GPU_BANDWIDTH],
-                    "env": [Tag.CPU_ENV], "trainer": [Tag.TRAINER]}
+                    "env": [Tag.CPU_ENV], "trainer": [Tag.TRAINER], "reward": [Tag.SERVERLESS]}

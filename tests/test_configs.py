@@ -23,6 +23,7 @@ def test_config_loads_and_components_resolve(path):
         obs, info = env.reset(seed=1)
         assert isinstance(obs, str) and obs
         assert callable(resolve(task.reward))
+        assert task.reward.startswith(("tasks.rewards.", "tasks.reward_models."))
     assert cfg.effective_pools()
 
 
@@ -42,6 +43,15 @@ def test_config_loads_and_components_resolve(path):
     ("cluster.pools.1.profile=B300", "cluster.pools.1.profile"),
     ("rollout.max_in_flight=4", "rollout.max_in_flight"),
     ("rollout.sampling.temperature=0.7", "trainer.hparams.temperature"),
+    # an event must not reach code outside the reward modules, and the config says so at start
+    ("env_tasks.0.reward=os.system", "env_tasks.0.reward"),
+    ("reward.backend=aws", "reward.backend"),
+    ("reward.function_name=nope", "reward.function_name"),
+    ("env_tasks.0.reward_function=nope", "reward_function"),
+    ("reward.read_timeout_s=60", "reward.read_timeout_s"),
+    ("reward.max_payload_bytes=7000000", "reward.max_payload_bytes"),
+    ("reward.endpoint_url=http://127.0.0.1:1", "reward.endpoint_url"),
+    ("cluster.pools.4.role=env", "serverless"),
 ])
 def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:

@@ -73,3 +73,39 @@ def test_guess_number_malformed():
     assert r == -0.1 and info["format_errors"] == 1 and not term
     _, r, term, trunc, info = env.step("99")  # out of range is malformed too
     assert trunc and info["format_errors"] == 2
+
+
+def test_word_answer_reset_is_deterministic_and_reference_travels_in_info():
+    from tasks.envs.word_answer import QUESTIONS, WordAnswer
+
+    env = WordAnswer()
+    assert isinstance(env, TextEnv)
+    assert env.reset(seed=5) == env.reset(seed=5)
+    obs, _ = env.reset(seed=5)
+    question, reference = next(q for q in QUESTIONS if obs.startswith(q[0]))
+    _, reward, term, trunc, info = env.step(f" {reference} ")
+    assert (reward, term, trunc) == (0.0, True, False)  # scored by the reward model, not here
+    assert info["success"] and info["reference"] == reference and info["answer"] == reference
+
+
+@pytest.mark.parametrize("style,text,answer", [
+    ("compact", "blue", "blue"), ("compact", "  light   blue ", "light blue"),
+    ("compact", "", None), ("compact", "x" * 300, None),
+    ("tagged", "so <answer>blue</answer>", "blue"), ("tagged", "blue", None),
+    ("tagged", "<answer> </answer>", None),
+])
+def test_word_answer_parser(style, text, answer):
+    from tasks.envs.word_answer import parse_answer
+
+    assert parse_answer(text, style) == answer
+
+
+def test_word_answer_format_error_then_max_turns():
+    from tasks.envs.word_answer import WordAnswer
+
+    env = WordAnswer(max_turns=2, answer_style="tagged", format_penalty=0.1)
+    env.reset(seed=0)
+    _, r, term, trunc, info = env.step("blue")
+    assert (r, term, trunc, info["format_errors"]) == (-0.1, False, False, 1)
+    _, r, term, trunc, info = env.step("")
+    assert (term, trunc, info["format_errors"]) == (False, True, 2)

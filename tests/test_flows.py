@@ -26,7 +26,7 @@ TRAIN = str(ROOT / "flows" / "train.py")
 SHORT = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
          "cluster.dashboard_port=0"]
 STAGE_POOL = {"prefill": "compute", "decode": "bandwidth", "response": "bandwidth",
-              "env_reset": "env", "env_step": "env", "score": "env", "train_step": "trainer",
+              "env_reset": "env", "env_step": "env", "score": "reward", "train_step": "trainer",
               "publish_weights": "trainer", "save_checkpoint": "trainer"}
 
 
@@ -70,7 +70,12 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     for stage, pool in STAGE_POOL.items():
         assert set(placement[stage]) == {pool}, (stage, placement[stage])
     assert set(placement["load_weights"]) == {"compute", "bandwidth"}
-    assert summary["score"]["invocations"] >= 1
+    # every trajectory was scored through boto3 and the Lambda emulation, none lost
+    r = summary["reward"]
+    assert r["backend"] == "lambda" and r["endpoint"].startswith("http://127.0.0.1:")
+    assert r["invocations"] >= 1 and r["mean_batch"] >= 1 and r["lost"] == {}
+    assert r["trajectories_sent"] == summary["trajectories"]["finished"]
+    assert r["statuses"] == {"ok": r["invocations"]}
     # the final policy loads with the ordinary loader, and the checkpoint resumes
     model, tok = load_policy(PolicySpec(path=str(run / "policy")))
     assert model.config.vocab_size == len(tok)
@@ -103,14 +108,18 @@ def test_baselines_run_through_the_same_flow(switches, tmp_path):
         assert set(placement["prefill"]) == {"bandwidth"}
         assert set(placement["decode"]) == {"compute"}
     else:
-        assert all(set(v) == {"monolithic"} for v in placement.values())
+        # everything on the one pool, but reward dispatch, which has its own (as in disaggregated)
+        assert all(set(v) == {"monolithic"} for k, v in placement.items() if k != "score")
+        assert set(placement["score"]) == {"reward"}
 
 
 def test_async_rollouts_overlap_training_and_staleness_is_bounded(tmp_path):
     from distributed import get_task_stream
 
+    # the in-process reward backend here; the other flow tests score through the emulation
     cfg = load_config(overrides=["trainer.max_steps=4", "trainer.groups_per_step=2",
-                                 "cluster.dashboard_port=0", "rollout.max_staleness=1"])
+                                 "cluster.dashboard_port=0", "rollout.max_staleness=1",
+                                 "reward.backend=local"])
     cluster = make_cluster(cfg, None)
     try:
         # the dashboard answers
@@ -125,6 +134,7 @@ def test_async_rollouts_overlap_training_and_staleness_is_bounded(tmp_path):
     finally:
         cluster.close()
     _check_accounting(summary)
+    assert summary["reward"]["backend"] == "local" and summary["reward"]["lost"] == {}
     spans = {}
     for rec in ts.data:
         for ss in rec["startstops"]:
@@ -151,7 +161,7 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
         address = json.loads(sched_file.read_text())["address"]
         for name, res, threads in [("compute-0", "GPU_COMPUTE=16", 16),
                                    ("bandwidth-0", "GPU_BANDWIDTH=16", 16),
-                                   ("cpu-0", "CPU_ENV=16,TRAINER=2", 18)]:
+                                   ("cpu-0", "CPU_ENV=16,TRAINER=2,SERVERLESS=2", 20)]:
             procs.append(subprocess.Popen(
                 ["dask", "worker", address, "--name", name, "--nthreads", str(threads),
                  "--resources", res, "--host", "127.0.0.1", "--no-dashboard"],
@@ -160,14 +170,15 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
 
         with Client(address, timeout=60) as c:
             c.wait_for_workers(3, timeout=120)
+        # the reward functions run in the local Lambda emulation, reached from the cpu worker
         _train(["--scheduler", address] + SHORT, tmp_path / "run")
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         _check_accounting(summary)
         placement = summary["tasks_per_stage_per_pool"]
         assert set(placement["prefill"]) == {"GPU_COMPUTE"}
         assert set(placement["decode"]) == {"GPU_BANDWIDTH"}
-        assert set(placement["env_step"]) == {"CPU_ENV+TRAINER"}
-        assert set(placement["train_step"]) == {"CPU_ENV+TRAINER"}
+        assert set(placement["env_step"]) == {"CPU_ENV+SERVERLESS+TRAINER"}
+        assert set(placement["train_step"]) == {"CPU_ENV+SERVERLESS+TRAINER"}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -186,3 +197,16 @@ def test_bench_compares_modes_in_one_run(tmp_path):
     assert [r["mode"] for r in rows] == ["async/disaggregated", "sync/monolithic"]
     assert all(r["elapsed_s"] > 0 and r["traj_per_s"] > 0 for r in rows)
     assert "x wall" in proc.stdout
+
+
+def test_a_failing_reward_service_stops_the_run_loudly(tmp_path):
+    # every item fails verification (each task gets the other's verifier): nothing is scored 0,
+    # every trajectory is dropped with its reason, and the run ends with an error, not a spin
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--run-dir", str(tmp_path / "run"), *SHORT,
+         "env_tasks.0.reward=tasks.rewards.guess_number_verifier",
+         "env_tasks.1.reward=tasks.rewards.frozenlake_verifier"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "reward scoring failed for the last" in proc.stderr
+    assert "reward_item_error: KeyError" in proc.stderr

@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-import gymnasium as gym
-
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 _ACTION_RE = re.compile(r"^\s*(left|down|right|up)\b", re.IGNORECASE)
 MAX_ACTION_CHARS = 256
@@ -31,6 +29,8 @@ class FrozenLakeText:
 
     def __init__(self, map_name: str = "4x4", is_slippery: bool = False, max_turns: int = 10,
                  format_penalty: float = 0.1, observation: Literal["position", "cell", "grid"] = "position"):
+        import gymnasium as gym  # here, so the reward verifier can import parse_action without it
+
         self._env = gym.make("FrozenLake-v1", map_name=map_name, is_slippery=is_slippery)
         self._desc = [[c.decode() for c in row] for row in self._env.unwrapped.desc]
         self.ncol = len(self._desc[0])
@@ -75,8 +75,10 @@ class FrozenLakeText:
                    else self._describe())
         success = terminated and reward > 0
         truncated = not terminated and self._turn >= self.max_turns
+        # map and penalty let a rule-based verifier replay the episode (tasks.rewards)
         info = {"success": success, "format_errors": self._format_errors, "turns": self._turn,
-                "format_error": a is None}
+                "format_error": a is None, "map": ["".join(r) for r in self._desc],
+                "format_penalty": self.format_penalty}
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:

@@ -13,6 +13,14 @@ from typing import Any
 _NUM_RE = re.compile(r"^\s*(-?\d{1,6})\b")
 
 
+def parse_guess(text: str) -> int | None:
+    """The number the text starts with, or None if it is malformed."""
+    if not text or len(text) > 256:
+        return None
+    m = _NUM_RE.match(text)
+    return int(m.group(1)) if m else None
+
+
 class GuessNumber:
     def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1):
         if low >= high:
@@ -32,8 +40,7 @@ class GuessNumber:
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._turn += 1
-        m = _NUM_RE.match(action or "") if len(action or "") <= 256 else None
-        guess = int(m.group(1)) if m else None
+        guess = parse_guess(action)
         reward, terminated = 0.0, False
         if guess is None or not self.low <= guess <= self.high:
             self._format_errors += 1
@@ -44,8 +51,10 @@ class GuessNumber:
         else:
             obs = "higher" if self._secret > guess else "lower"
         truncated = not terminated and self._turn >= self.max_turns
+        # secret, range and penalty let a rule-based verifier check the answer (tasks.rewards)
         info = {"success": terminated, "format_errors": self._format_errors, "turns": self._turn,
-                "format_error": guess is None}
+                "format_error": guess is None, "secret": self._secret, "low": self.low,
+                "high": self.high, "format_penalty": self.format_penalty}
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:

@@ -1,0 +1,17 @@
+"""The ``score`` task: one call of a reward client for a burst of finished trajectories."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tasks.records import ScoreBatch, ScoreRequest
+
+
+class RewardClient(Protocol):
+    def score(self, requests: list[ScoreRequest]) -> ScoreBatch: ...
+
+
+def score(client: RewardClient, requests: list[ScoreRequest]) -> ScoreBatch:
+    """Score ``requests``: one result per request, in order, and the calls made (the client
+    packs, fans out, retries and deduplicates)."""
+    return client.score(requests)
