@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-s", type=float, default=0.1, help="per call, latency setting")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
-    console = Console()
+    console = Console(width=140)
     rows = []
     for setting in args.settings:
         for c in args.concurrency:

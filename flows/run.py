@@ -88,8 +88,7 @@ class RewardStats:
             "latency_ms_p99": float(np.percentile(lat, 99)) if lat else 0.0,
             "sdk_retries": sum(r.sdk_retries for r in c),
             "throttles": sum(r.throttles for r in c),
-            "client_retries": max(0, len(c) - len(reached)) + sum(
-                r.status == "function_error" for r in c),
+            "client_retries": sum(r.attempt > 0 for r in c),
             "function_errors": sum(r.status == "function_error" for r in c),
             "cold_starts": len(init),
             "init_ms_mean": float(np.mean(init)) if init else 0.0,

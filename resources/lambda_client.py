@@ -131,6 +131,7 @@ class LambdaRewardClient:
         throttled = errored = 0
         while True:
             status, body, rec = self._invoke(payload, len(chunk))
+            rec.attempt = len(records)
             records.append(rec)
             if status == "TooManyRequestsException" and throttled < self.throttle_retries:
                 throttled += 1  # throttled calls did not run: retrying is safe

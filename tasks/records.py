@@ -179,6 +179,7 @@ class InvocationRecord:
     throttles: int = 0
     cold_start: bool = False
     init_ms: float | None = None
+    attempt: int = 0  # 0: the first call of its batch; k: the client's k-th retry of it
 
 
 @dataclass

@@ -111,6 +111,7 @@ def test_function_error_is_retried_bounded_then_recorded(emulator):
                for r in batch.results)
     assert emulator.stats()["invocations"] - before == 3  # 1 + 2 retries, then given up
     assert [rec.status for rec in batch.invocations] == ["function_error"] * 3
+    assert [rec.attempt for rec in batch.invocations] == [0, 1, 2]
 
 
 def test_handler_timeout_is_a_function_error():
