@@ -296,3 +296,38 @@ def test_main_reports_a_missing_file(tmp_path, monkeypatch, capsys):
                         (*RULE_FUNCTION_FILES, "tasks/not_written_yet.py"))
     assert main(["--out", str(tmp_path / "out")]) == 1
     assert "tasks/not_written_yet.py" in capsys.readouterr().err
+
+
+def test_built_rule_function_runs_from_its_own_directory_without_torch(tmp_path):
+    """The real build: the zip's code answers an event on its own (powertools and pydantic
+    standing in for the layer), importing neither torch nor numpy nor gymnasium."""
+    import json as _json
+    import subprocess
+    import sys
+
+    from resources.lambda_build import build_rule_function
+
+    result = build_rule_function(tmp_path / "out")
+    event = {"schema_version": 1, "items": [{
+        "id": "0", "idempotency_key": "k0", "reward_fn": "tasks.rewards.frozenlake_verifier",
+        "env_name": "frozenlake", "env_rewards": [0, 0, 0, 0, 0, 1],
+        "responses": ["down", "down", "right", "right", "down", "right"],
+        "info": {"map": ["SFFF", "FHFH", "FFFH", "HFFG"], "success": True,
+                 "format_penalty": 0.1}}]}
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(result.directory)!r})\n"
+        "import tasks.reward_handler as h\n"
+        "assert h.__file__.startswith(sys.path[0]), h.__file__\n"
+        "class C: function_name='f'; memory_limit_in_mb=128; aws_request_id='r'\n"
+        "C.invoked_function_arn='arn:aws:lambda:us-east-1:0:function:f'\n"
+        f"out = h.lambda_handler(json.loads({_json.dumps(event)!r}), C())\n"
+        "heavy = [m for m in ('torch', 'numpy', 'gymnasium') if m in sys.modules]\n"
+        "sys.stderr.write(json.dumps({'out': out, 'heavy': heavy}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                          "ROLLARC_REWARD_MODULES": "tasks.rewards"})
+    assert proc.returncode == 0, proc.stderr
+    report = _json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    assert report["out"]["results"][0]["score"] == 1.0
