@@ -210,3 +210,14 @@ def test_a_failing_reward_service_stops_the_run_loudly(tmp_path):
     assert proc.returncode != 0
     assert "reward scoring failed for the last" in proc.stderr
     assert "reward_item_error: KeyError" in proc.stderr
+
+
+def test_unreachable_reward_endpoint_fails_before_the_cluster_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--run-dir", str(tmp_path / "run"), *SHORT,
+         "reward.emulator.enabled=false", "reward.endpoint_url=http://127.0.0.1:9",
+         "reward.sdk_max_attempts=1", "reward.connect_timeout_s=1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "reward service error: reward function 'rollarc-reward' is not invocable" in proc.stderr
+    assert "Dask dashboard" not in proc.stdout
