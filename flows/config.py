@@ -17,6 +17,7 @@ from resources.affinity import Objective, Workload
 from resources.catalog import CATALOG, HardwareProfile
 from resources.pools import PoolSpec, Role
 from tasks.components import instantiate
+from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec
 from tasks.reward_handler import resolve_reward
 from tasks.trainer import TrainerHParams
@@ -47,7 +48,9 @@ class EnvTaskConfig(_Strict):
     reward_function: str | None = Field(
         default=None, description="Lambda function that scores this task (null: "
                                   "reward.function_name); model-based rewards need the model one")
-    seed_range: int = Field(default=1_000_000, ge=1, description="Training seeds drawn below this")
+    seed_range: int = Field(default=1_000_000, ge=1, le=EVAL_SEED_OFFSET,
+                            description="Training seeds drawn below this (held-out evaluation "
+                                        "seeds start at 10**9)")
     sampling: SamplingConfig | None = Field(default=None,
                                             description="Overrides rollout.sampling for this task")
 
@@ -142,6 +145,13 @@ class AffinityConfig(_Strict):
                                                  description="Extra or overriding profiles")
 
 
+class EvalConfig(_Strict):
+    every_steps: int = Field(default=0, ge=0, description="Greedy evaluation on held-out seeds "
+                             "every this many train steps, and after the last (0: off)")
+    episodes: int = Field(default=8, ge=1, description="Held-out episodes per environment task "
+                          "and evaluation")
+
+
 class MetricsConfig(_Strict):
     sink: Literal["jsonl", "null"] = Field(default="jsonl", description="Where metrics go")
     progress: bool = Field(default=True, description="Live progress line")
@@ -161,6 +171,7 @@ class TrainConfig(_Strict):
     cluster: ClusterConfig
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ class TrajectoryState:
     responses: list[str] = field(default_factory=list)
     env_step_s: float = 0.0
     handle: EnvHandle | None = None
+    evaluation: bool = False
 
     def reset_record(self) -> None:
         self.turn = 0
@@ -71,9 +72,14 @@ class RolloutDriver:
         self.sampling = {t.name: SamplingParams(temperature=sc.temperature,
                                                 max_new_tokens=sc.max_new_tokens)
                          for t in cfg.env_tasks for sc in [t.sampling or cfg.rollout.sampling]}
+        # evaluation decodes greedily: the policy's best answer, not a sample
+        self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
+                              for name, sp in self.sampling.items()}
         self.live: dict[int, TrajectoryState] = {}
         self.step_futures: dict[str, int] = {}  # env_step key -> trajectory id
         self.started = 0
+        self.eval_started = 0
+        self.eval_dropped: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.drop_details: list[dict] = []
         self.truncated: Counter[str] = Counter()
@@ -90,11 +96,15 @@ class RolloutDriver:
             adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
             resources=demand(stage, tag), pure=False, **kwargs)
 
-    def new_trajectory(self, group_id: str, task: EnvTaskConfig, seed: int) -> Future:
+    def new_trajectory(self, group_id: str, task: EnvTaskConfig, seed: int,
+                       evaluation: bool = False) -> Future:
         tid = self._next_id
         self._next_id += 1
-        self.started += 1
-        st = TrajectoryState(tid, group_id, task, seed)
+        if evaluation:
+            self.eval_started += 1
+        else:
+            self.started += 1
+        st = TrajectoryState(tid, group_id, task, seed, evaluation=evaluation)
         self.live[tid] = st
         return self._start(st)
 
@@ -118,7 +128,8 @@ class RolloutDriver:
                            worker=st.prefill_worker, key=f"prefill-{suffix}")
         dec = self._submit(
             Stage.DECODE, with_engine_tokenizer, decode, pre, st.last_decode,
-            params=self.sampling[st.task.name], stop_ids=self.stop_ids,
+            params=(self.eval_sampling if st.evaluation else self.sampling)[st.task.name],
+            stop_ids=self.stop_ids,
             max_context=self.cfg.policy.max_context,
             seed=_seed(self.cfg.seed, st.traj_id, st.turn, st.attempt),
             worker=st.decode_worker, key=f"decode-{suffix}")
@@ -160,7 +171,7 @@ class RolloutDriver:
             if context_limited and not obs.done:
                 self.close_env(st)
             return self._finish(st, obs, context_limited), None
-        if self.stopping:  # run over: this turn was the last; nothing is left running
+        if self.stopping and not st.evaluation:  # run over: this turn was the last
             self.close_env(st)
             self.drop(st, "run_ended")
             return None, None
@@ -183,7 +194,7 @@ class RolloutDriver:
             truncated=truncated, context_truncated=context_limited, attempt=st.attempt,
             success=bool(obs.info.get("success", False)),
             format_errors=int(obs.info.get("format_errors", 0)),
-            env_step_s=st.env_step_s,
+            env_step_s=st.env_step_s, evaluation=st.evaluation,
         )
 
     def on_error(self, fut: Future) -> tuple[Future | None, str | None]:
@@ -196,7 +207,8 @@ class RolloutDriver:
         reason = f"error:{type(exc).__name__}"
         logger.warning("trajectory %s attempt %d failed: %s", st.traj_id, st.attempt, exc)
         self.close_env(st)
-        if st.attempt + 1 < self.cfg.rollout.max_attempts and not self.stopping:
+        if st.attempt + 1 < self.cfg.rollout.max_attempts and (not self.stopping
+                                                                or st.evaluation):
             st.attempt += 1
             st.reset_record()
             return self._start(st), None
@@ -205,6 +217,9 @@ class RolloutDriver:
 
     def drop(self, st: TrajectoryState, reason: str, detail: str = "") -> None:
         self.live.pop(st.traj_id, None)
+        if st.evaluation:  # evaluation episodes are accounted apart from training
+            self.eval_dropped[reason] += 1
+            return
         self.record_drop(st.traj_id, reason, detail)
 
     def record_drop(self, traj_id: int | str, reason: str, detail: str = "") -> None:
@@ -212,6 +227,11 @@ class RolloutDriver:
         self.dropped[reason] += 1
         if len(self.drop_details) < 100:
             self.drop_details.append({"trajectory": traj_id, "reason": reason, "detail": detail})
+
+    @property
+    def training_live(self) -> int:
+        """Training trajectories rolling out (evaluation episodes excluded)."""
+        return sum(not st.evaluation for st in self.live.values())
 
     def close_env(self, st: TrajectoryState) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""

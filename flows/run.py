@@ -39,12 +39,15 @@ from resources.worker import (
     with_trainer,
     worker_report,
 )
+from tasks.envs.base import eval_seed
 from tasks.policy import load_tokenizer, stop_token_ids
 from tasks.records import InvocationRecord, ScoreBatch, TrainBatch, TrainStats, Trajectory
 from tasks.scoring import score
 from tasks.trainer import load_weights, publish_weights, save_checkpoint, train_step
 
 logger = logging.getLogger(__name__)
+
+EVAL_GROUP = "eval."  # group ids of evaluation episodes: eval.<policy version>
 
 
 @dataclass
@@ -130,6 +133,8 @@ class TrainingRun:
         self.reward_function = {t.name: t.reward_function or cfg.reward.function_name
                                 for t in cfg.env_tasks}
         self.reward_stats = RewardStats()
+        self.eval_rounds: dict[str, dict] = {}
+        self.last_eval: dict = {}
         # one score task carries what the client can send at once; it fans the burst out itself
         self.score_task_max = cfg.reward.batch_max * cfg.reward.concurrency
         self.env_names = [t.name for t in cfg.env_tasks]
@@ -194,12 +199,12 @@ class TrainingRun:
     # -- decisions --------------------------------------------------------------------------
     def _admission(self) -> AdmissionState:
         s = self.state
-        unconsumed = (len(self.driver.live) + len(s.pending_score)
+        unconsumed = (self.driver.training_live + len(s.pending_score)
                       + sum(len(v) for v in s.scoring.values())
                       + self.collector.ready_trajectories + self.collector.open_members)
         ro = self.cfg.rollout
         return AdmissionState(
-            mode=self.cfg.mode, rolling_out=len(self.driver.live), unconsumed=unconsumed,
+            mode=self.cfg.mode, rolling_out=self.driver.training_live, unconsumed=unconsumed,
             batch_trajectories=int(round(self.batch_trajectories)),
             window_batches=ro.window_batches,
             spare_trajectories=ro.spare_groups * max(t.group_size for t in self.cfg.env_tasks),
@@ -251,7 +256,7 @@ class TrainingRun:
         if s.trainer_busy or s.version >= self.cfg.trainer.max_steps:
             return
         n = groups_to_cut(self.cfg.mode, self.collector.ready_groups,
-                          self.cfg.trainer.groups_per_step, len(self.driver.live),
+                          self.cfg.trainer.groups_per_step, self.driver.training_live,
                           len(s.pending_score) + len(s.scoring), self.collector.open_groups)
         if n is None:
             return
@@ -288,13 +293,17 @@ class TrainingRun:
             nxt, dropped_group = self.driver.on_error(fut)
             if nxt is not None:
                 self._track(nxt, "step")
-            if dropped_group is not None:
+            if dropped_group is not None and dropped_group.startswith(EVAL_GROUP):
+                self._on_eval_episode(dropped_group, None)
+            elif dropped_group is not None:
                 self.collector.drop_member(dropped_group)
                 self._drop_orphans()
             return
         traj, nxt = self.driver.on_step(fut, result)
         if nxt is not None:
             self._track(nxt, "step")
+        elif traj is not None and traj.evaluation:
+            self._on_eval_episode(traj.group_id, traj)
         elif traj is not None:
             self.state.finished += 1
             self.state.pending_score.append(traj)
@@ -342,6 +351,9 @@ class TrainingRun:
         if s.version >= self.cfg.trainer.max_steps:
             self.driver.stopping = True
         self._sync_weights()
+        every = self.cfg.eval.every_steps
+        if every and (s.version % every == 0 or s.version >= self.cfg.trainer.max_steps):
+            self._start_eval(s.version)
 
     def _batch_metrics(self, d: BatchDecision) -> dict:
         trajs = d.trajectories
@@ -364,9 +376,50 @@ class TrainingRun:
             m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))
             m[f"env/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
             m[f"env/{name}/format_errors"] = float(np.mean([t.format_errors for t in ts]))
+            m[f"env/{name}/format_penalty"] = float(np.mean(
+                [t.format_errors * float(t.info.get("format_penalty", 0.0)) for t in ts]))
             m[f"env/{name}/env_step_s"] = float(np.mean(
                 [t.env_step_s / max(t.num_turns, 1) for t in ts]))
             m[f"env/{name}/trajectories"] = len(ts)
+        return m
+
+    # -- evaluation -------------------------------------------------------------------------
+    def _start_eval(self, version: int) -> None:
+        """Greedy episodes on held-out seeds for every environment task, beside training; they
+        run on the weights the engines hold (version ``version`` or the next ones)."""
+        gid = f"{EVAL_GROUP}{version}"
+        n = self.cfg.eval.episodes
+        self.eval_rounds[gid] = {"version": version, "pending": n * len(self.cfg.env_tasks),
+                                 "episodes": [], "failed": 0, "t0": time.perf_counter()}
+        for task in self.cfg.env_tasks:
+            for i in range(n):
+                self._track(self.driver.new_trajectory(gid, task, eval_seed(i), evaluation=True),
+                            "step")
+
+    def _on_eval_episode(self, gid: str, traj: Trajectory | None) -> None:
+        r = self.eval_rounds[gid]
+        r["pending"] -= 1
+        if traj is None:
+            r["failed"] += 1
+        else:
+            r["episodes"].append(traj)
+        if r["pending"] == 0:
+            self.sink.log(self._eval_metrics(self.eval_rounds.pop(gid)))
+
+    def _eval_metrics(self, r: dict) -> dict:
+        m: dict = {"eval/step": r["version"], "eval/failed": r["failed"],
+                   "eval/elapsed_s": time.perf_counter() - r["t0"]}
+        by_env: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in r["episodes"]:
+            by_env[t.env_name].append(t)
+        for name, ts in sorted(by_env.items()):
+            m[f"eval/{name}/success"] = float(np.mean([t.success for t in ts]))
+            m[f"eval/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
+            m[f"eval/{name}/format_errors"] = float(np.mean([t.format_errors for t in ts]))
+            m[f"eval/{name}/episodes"] = len(ts)
+        self.last_eval = m
+        logger.info("evaluation at v%d: %s", r["version"],
+                    {k: round(v, 3) for k, v in m.items() if k.endswith("/success")})
         return m
 
     def _reward_metrics(self) -> dict:
@@ -463,6 +516,8 @@ class TrainingRun:
                              "trained": self.state.trained, "dropped": dict(d.dropped),
                              "truncated": dict(d.truncated)},
             "drop_details": d.drop_details[:20],
+            "evaluation": {"episodes_started": d.eval_started,
+                           "dropped": dict(d.eval_dropped), "last": self.last_eval},
             "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
             "rollout_tasks_submitted": dict(d.stage_submitted),
             "reward": self.reward_stats.summary() | {

@@ -126,6 +126,7 @@ class Trajectory:
     success: bool = False
     format_errors: int = 0
     env_step_s: float = 0.0  # environment time summed over the turns
+    evaluation: bool = False  # a greedy episode on a held-out seed: reported, never trained
     reward: float | None = None
     reward_details: dict = field(default_factory=dict)
 

@@ -48,7 +48,7 @@ def frozenlake_verifier(item: Item) -> RewardOutput:
         raise ValueError("info.map must hold exactly one start S")
     (row, col), success, format_errors = starts[0], False, 0
     for text in item["responses"]:
-        action = parse_action(text)
+        action = parse_action(text, info.get("action_format", "compact"))
         if action is None:
             format_errors += 1
             continue
@@ -71,7 +71,7 @@ def guess_number_verifier(item: Item) -> RewardOutput:
     penalty = float(info.get("format_penalty", 0.0))
     success, format_errors = False, 0
     for text in item["responses"]:
-        guess = parse_guess(text)
+        guess = parse_guess(text, info.get("action_format", "compact"))
         if guess is None or not low <= guess <= high:
             format_errors += 1
         elif guess == secret:

@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+# Held-out evaluation seeds start here; training seeds are drawn below env_tasks.N.seed_range
+# (at most this), so evaluation never replays a training episode.
+EVAL_SEED_OFFSET = 10**9
+
+
+def eval_seed(i: int) -> int:
+    """The i-th held-out evaluation seed."""
+    return EVAL_SEED_OFFSET + i
+
 
 @runtime_checkable
 class TextEnv(Protocol):

@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, Literal
 
 _NUM_RE = re.compile(r"^\s*(-?\d{1,6})\b")
+_TAGGED_RE = re.compile(r"<answer>\s*(-?\d{1,6})\s*</answer>", re.IGNORECASE)
 
 
-def parse_guess(text: str) -> int | None:
-    """The number the text starts with, or None if it is malformed."""
+def parse_guess(text: str, action_format: Literal["compact", "tagged"] = "compact") -> int | None:
+    """The guess (compact: the number the text starts with; tagged: inside <answer>…</answer>),
+    or None if it is malformed."""
     if not text or len(text) > 256:
         return None
-    m = _NUM_RE.match(text)
+    m = _NUM_RE.match(text) if action_format == "compact" else _TAGGED_RE.search(text)
     return int(m.group(1)) if m else None
 
 
 class GuessNumber:
-    def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1):
+    def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1,
+                 action_format: Literal["compact", "tagged"] = "compact"):
         if low >= high:
             raise ValueError("low must be below high")
+        if action_format not in ("compact", "tagged"):
+            raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
+        self.action_format = action_format
         self.low, self.high = low, high
         self.max_turns = max_turns
         self.format_penalty = format_penalty
@@ -40,7 +46,7 @@ class GuessNumber:
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         self._turn += 1
-        guess = parse_guess(action)
+        guess = parse_guess(action, self.action_format)
         reward, terminated = 0.0, False
         if guess is None or not self.low <= guess <= self.high:
             self._format_errors += 1
@@ -54,7 +60,8 @@ class GuessNumber:
         # secret, range and penalty let a rule-based verifier check the answer (tasks.rewards)
         info = {"success": terminated, "format_errors": self._format_errors, "turns": self._turn,
                 "format_error": guess is None, "secret": self._secret, "low": self.low,
-                "high": self.high, "format_penalty": self.format_penalty}
+                "high": self.high, "format_penalty": self.format_penalty,
+                "action_format": self.action_format}
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:
