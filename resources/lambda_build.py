@@ -47,8 +47,11 @@ RULE_FUNCTION_FILES: tuple[str, ...] = (
     "tasks/rewards.py",
     "tasks/reward_handler.py",
     "tasks/envs/__init__.py",
+    "tasks/envs/base.py",
     "tasks/envs/frozenlake.py",
     "tasks/envs/guess_number.py",
+    "tasks/envs/sokoban.py",
+    "tasks/envs/tool_use.py",
 )
 
 # Installed by --with-deps; otherwise the Powertools layer provides them.

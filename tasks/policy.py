@@ -37,6 +37,13 @@ ANSWER_WORDS = [w for w in dict.fromkeys(
     "hot blue green white dog cat ice sun cold apple fruit red puppy kitten yellow black night "
     "moon warm fish bird tree banana".split())]
 
+def env_words() -> list[str]:
+    """The words of the environments that declare a vocabulary (appended: earlier ids stay)."""
+    from tasks.envs import sokoban, tool_use
+
+    return [*sokoban.VOCAB, *tool_use.VOCAB]
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
     "{% if m['role'] == 'assistant' %}<|end|> {% endif %}{% endfor %}"
@@ -65,7 +72,7 @@ class PolicySpec(BaseModel):
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The shipped word-level tokenizer with a compact chat template."""
     vocab: dict[str, int] = {}
-    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + ANSWER_WORDS:
+    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + ANSWER_WORDS + env_words():
         vocab.setdefault(tok, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -14,6 +14,7 @@ from typing import Any
 
 from tasks.envs.frozenlake import ACTIONS, parse_action
 from tasks.envs.guess_number import parse_guess
+from tasks.envs.tool_use import verify as _verify_tool_use
 
 Item = dict[str, Any]
 RewardOutput = tuple[float, dict[str, Any]]
@@ -80,3 +81,28 @@ def guess_number_verifier(item: Item) -> RewardOutput:
     return float(success) - penalty * format_errors, {
         "success": success, "format_errors": format_errors,
         "agrees_with_env": success == bool(info.get("success", False))}
+
+
+def tool_use_verifier(item: Item) -> RewardOutput:
+    """Re-parse the replies: 1 for a final answer equal to ``info.answer``, minus the format
+    penalty per malformed reply and the tool cost per call (:func:`tasks.envs.tool_use.verify`)."""
+    return _verify_tool_use(item)
+
+
+def sokoban_verifier(item: Item) -> RewardOutput:
+    """Rebuild the level from ``info.level_seed`` and ``info.env_kwargs`` and replay the replies:
+    the replay's return (1 for every box on a target, minus penalties) and success."""
+    from tasks.envs.sokoban import Sokoban
+
+    info = item["info"]
+    env = Sokoban(**info["env_kwargs"])
+    env.reset(seed=int(info["level_seed"]))
+    score, success, format_errors = 0.0, False, 0
+    for text in item["responses"][: env.max_turns]:
+        _, reward, terminated, truncated, step_info = env.step(text)
+        score += reward
+        success, format_errors = step_info["success"], step_info["format_errors"]
+        if terminated or truncated:
+            break
+    return score, {"success": success, "format_errors": format_errors,
+                   "agrees_with_env": success == bool(info.get("success", False))}

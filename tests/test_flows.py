@@ -221,3 +221,22 @@ def test_unreachable_reward_endpoint_fails_before_the_cluster_starts(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "reward service error: reward function 'rollarc-reward' is not invocable" in proc.stderr
     assert "Dask dashboard" not in proc.stdout
+
+
+@pytest.mark.parametrize("config", ["mix.yaml", "mix_sandbox.yaml"])
+def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, config):
+    run = tmp_path / "run"
+    _train(["--config", str(ROOT / "config" / config), *SHORT, "trainer.groups_per_step=4",
+            "eval.every_steps=2", "eval.episodes=2"], run)
+    summary = json.loads((run / "summary.json").read_text())
+    _check_accounting(summary)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    names = {"frozenlake", "sokoban", "tool_use", "guess_number"}
+    evals = [r for r in rows if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [2]
+    assert {k.split("/")[1] for k in evals[0] if k.endswith("/success")} == names
+    train_keys = {k for r in rows if "train/step" in r for k in r}
+    for name in names & {k.split("/")[1] for k in train_keys if k.startswith("env/")}:
+        for metric in ("success", "turns", "format_penalty", "env_step_s"):
+            assert f"env/{name}/{metric}" in train_keys
+    assert summary["evaluation"]["episodes_started"] == 2 * len(names)
