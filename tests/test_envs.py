@@ -109,3 +109,28 @@ def test_word_answer_format_error_then_max_turns():
     assert (r, term, trunc, info["format_errors"]) == (-0.1, False, False, 1)
     _, r, term, trunc, info = env.step("")
     assert (term, trunc, info["format_errors"]) == (False, True, 2)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("3", 3), (" 7 is my guess", 7), ("", None), ("x" * 300, None), ("three", None),
+    ("-2", -2),
+])
+def test_guess_number_parser(text, expected):
+    from tasks.envs.guess_number import parse_guess
+
+    assert parse_guess(text) == expected
+
+
+def test_reset_is_deterministic_per_seed():
+    env = FrozenLakeText(map_name="random", observation="grid")
+    assert env.reset(seed=11) == env.reset(seed=11)
+    assert len({env.reset(seed=s)[0] for s in range(20)}) > 1
+    guess = GuessNumber(high=32)
+
+    def secret(seed):  # the secret shows in the info of the first step
+        guess.reset(seed=seed)
+        return guess.step("16")[4]["secret"]
+
+    assert secret(11) == secret(11) and len({secret(s) for s in range(20)}) > 1
+    with pytest.raises(ValueError, match="observation: grid"):
+        FrozenLakeText(map_name="random")

@@ -44,6 +44,8 @@ class FrozenLakeText:
             raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
         if map_name == "random" and not (2 <= size <= 12 and 0 < p_frozen <= 1):
             raise ValueError("a random map needs 2 <= size <= 12 and 0 < p_frozen <= 1")
+        if map_name == "random" and observation != "grid":
+            raise ValueError("a random map needs observation: grid (the agent must see the map)")
         self.map_name, self.is_slippery, self.size, self.p_frozen = map_name, is_slippery, size, p_frozen
         self._make(None if map_name == "random" else map_name, None)
         self.max_turns = max_turns
