@@ -21,6 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from flows.metrics import read_metrics
+
 TRAIN = Path(__file__).resolve().parent / "train.py"
 MODES = ["async/disaggregated", "sync/disaggregated", "async/monolithic", "sync/monolithic"]
 
@@ -35,7 +37,7 @@ def run_mode(mode: str, steps: int, extra: list[str], run_dir: Path, target: flo
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     reached = next((m["perf/elapsed_s"] for m in metrics
                     if m.get(f"env/{env_name}/success", 0) >= target), None)
     last = metrics[-1]

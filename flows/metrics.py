@@ -15,6 +15,17 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+def read_metrics(run_dir, kind: str = "train") -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``: ``train`` (one per train step, ``train/step``) or
+    ``eval`` (one per evaluation, ``eval/step``)."""
+    import json
+    from pathlib import Path
+
+    key = {"train": "train/step", "eval": "eval/step"}[kind]
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if key in r]
+
+
 class JsonlSink:
     """One JSON object per train step in ``metrics.jsonl``."""
 

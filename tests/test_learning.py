@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -21,7 +23,7 @@ def _run(tmp_path, *overrides):
                            "metrics.progress=false", "cluster.dashboard_port=0", *overrides],
                           capture_output=True, text=True, timeout=1100, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run)
     summary = json.loads((run / "summary.json").read_text())
     first_08 = next((m["train/step"] for m in metrics
                      if m.get("env/frozenlake/success", 0) >= 0.8), None)
