@@ -12,6 +12,7 @@ from tasks.envs.base import TextEnv, eval_seed
 from tasks.envs.frozenlake import FrozenLakeText, parse_action
 from tasks.envs.guess_number import GuessNumber, parse_guess
 from tasks.envs.latency import Latency, RemoteEnvError, RemoteLatency, spend
+from tests.episodes import play
 
 GUESS = {"_component_": "tasks.envs.guess_number.GuessNumber", "low": 1, "high": 8}
 
@@ -114,15 +115,8 @@ def test_tagged_guess_number_and_its_verifier():
     assert parse_guess("<answer>5</answer>", "tagged") == 5 and parse_guess("5", "tagged") is None
     env = GuessNumber(action_format="tagged")
     env.reset(seed=2)
-    responses, rewards = [], []
-    for text in ["5", "<answer>1</answer>", "<answer>2</answer>", "<answer>3</answer>"]:
-        _, r, term, trunc, info = env.step(text)
-        responses.append(text)
-        rewards.append(r)
-        if term or trunc:
-            break
-    score, details = guess_number_verifier({"responses": responses, "env_rewards": rewards,
-                                            "info": info})
-    assert score == pytest.approx(sum(rewards)) and details["agrees_with_env"]
+    item = play(env, ["5", "<answer>1</answer>", "<answer>2</answer>", "<answer>3</answer>"])
+    score, details = guess_number_verifier(item)
+    assert score == pytest.approx(sum(item["env_rewards"])) and details["agrees_with_env"]
     with pytest.raises(ValueError, match="action_format"):
         GuessNumber(action_format="json")

@@ -15,21 +15,14 @@ from tasks.envs.frozenlake import FrozenLakeText
 from tasks.envs.guess_number import GuessNumber
 from tasks.records import ScoreRequest
 from tasks.rewards import env_return, frozenlake_verifier, guess_number_verifier
+from tests.episodes import play
 
 ACTIONS = ["left", "down", "right", "up", "jump", "", "right right"]
 
 
 def _episode(env, actions, seed):
-    _, _ = env.reset(seed=seed)
-    rewards, responses, info = [], [], {}
-    for a in actions:
-        _, r, term, trunc, info = env.step(a)
-        rewards.append(r)
-        responses.append(a)
-        if term or trunc:
-            break
-    return {"id": "0", "idempotency_key": "k", "reward_fn": "", "env_name": "",
-            "env_rewards": rewards, "responses": responses, "info": info}
+    env.reset(seed=seed)
+    return play(env, actions)
 
 
 def test_frozenlake_verifier_agrees_with_the_environment():

@@ -233,6 +233,7 @@ def test_sokoban_verifier_replays_the_episode():
     import random as _random
 
     from tasks.rewards import sokoban_verifier
+    from tests.episodes import play
 
     rng = _random.Random(0)
     for seed in range(60):
@@ -241,15 +242,8 @@ def test_sokoban_verifier_replays_the_episode():
         plan = solve(env.level) if seed % 3 == 0 else None
         moves = plan or [rng.choice(["left", "down", "right", "up", "jump", ""])
                          for _ in range(12)]
-        responses, rewards, info = [], [], {}
-        for m in moves:
-            _, r, term, trunc, info = env.step(m)
-            responses.append(m)
-            rewards.append(r)
-            if term or trunc:
-                break
-        score, details = sokoban_verifier({"responses": responses, "env_rewards": rewards,
-                                           "info": info})
-        assert score == pytest.approx(sum(rewards)) and details["agrees_with_env"]
-        assert details["success"] == info["success"]
+        item = play(env, moves)
+        score, details = sokoban_verifier(item)
+        assert score == pytest.approx(sum(item["env_rewards"])) and details["agrees_with_env"]
+        assert details["success"] == item["info"]["success"]
         assert plan is None or details["success"]  # the solver's plan always solves
