@@ -39,6 +39,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from resources.reward_client import (
     ScoreLedger,
+    apply_results,
     chunk_size,
     event_of,
     pack,
@@ -114,10 +115,7 @@ class LambdaRewardClient:
         for res, recs in self._pool.map(self._score_chunk, chunks):
             results.extend(res)
             records.extend(recs)
-        out = dict(known)
-        for (i, req), res in zip(todo, results, strict=True):
-            out[i] = self.ledger.apply(req.idempotency_key, res)
-        return ScoreBatch([out[i] for i in range(len(requests))], records, len(known))
+        return apply_results(self.ledger, len(requests), known, todo, results, records)
 
     def _backoff(self, attempt: int) -> None:
         # full jitter (AWS Architecture Blog, "Exponential Backoff and Jitter")

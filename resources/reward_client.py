@@ -129,6 +129,17 @@ def split_known(ledger: ScoreLedger, requests: list[ScoreRequest]
     return known, todo
 
 
+def apply_results(ledger: ScoreLedger, n: int, known: dict[int, ScoreResult],
+                  todo: list[tuple[int, ScoreRequest]], results: list[ScoreResult],
+                  records: list[InvocationRecord]) -> ScoreBatch:
+    """The batch in request order: the ledger's results for known keys, and the new results
+    (one per ``todo`` entry, in order) applied to the ledger once per key."""
+    out = dict(known)
+    for (i, req), res in zip(todo, results, strict=True):
+        out[i] = ledger.apply(req.idempotency_key, res)
+    return ScoreBatch([out[i] for i in range(n)], records, len(known))
+
+
 class LocalRewardClient:
     """Runs the deployed handler's core (:func:`tasks.reward_handler.handle`) in-process,
     through a JSON round trip; for runs without a Lambda endpoint."""
@@ -143,22 +154,19 @@ class LocalRewardClient:
         from tasks.reward_handler import handle
 
         known, todo = split_known(self.ledger, requests)
-        out: dict[int, ScoreResult] = dict(known)
-        records = []
-        size = chunk_size(len(todo), 1, self.min_batch, self.batch_max)
         reqs = [r for _, r in todo]
-        pos = {id(r): i for i, r in todo}
-        for chunk in pack(reqs, size, self.max_payload_bytes):
+        size = chunk_size(len(reqs), 1, self.min_batch, self.batch_max)
+        results: list[ScoreResult] = []
+        records: list[InvocationRecord] = []
+        for chunk in pack(reqs, size, self.max_payload_bytes):  # chunks keep the order of reqs
             payload = json.dumps(event_of(chunk))
             t = time.perf_counter()
             response = json.loads(json.dumps(handle(json.loads(payload))))
-            results = results_of(chunk, response)
+            results.extend(results_of(chunk, response))
             records.append(InvocationRecord(
                 "local", len(chunk), len(payload), time.perf_counter() - t,
                 "bad_event" if "error" in response else "ok"))
-            for req, res in zip(chunk, results, strict=True):
-                out[pos[id(req)]] = self.ledger.apply(req.idempotency_key, res)
-        return ScoreBatch([out[i] for i in range(len(requests))], records, len(known))
+        return apply_results(self.ledger, len(requests), known, todo, results, records)
 
 
 def build_reward_client(reward: dict[str, Any], function_name: str) -> RewardClient:
