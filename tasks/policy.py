@@ -31,17 +31,14 @@ WORDS = (
     "cell yes no ok stop start wall box push solved answer think , . : ?"
 ).split()
 NUMBERS = [str(i) for i in range(0, 33)]
-# Appended after the digits, so the ids above stay as they were.
-ANSWER_WORDS = [w for w in dict.fromkeys(
-    "what color is sky grass snow animal barks says meow frozen water shines day opposite of "
-    "hot blue green white dog cat ice sun cold apple fruit red puppy kitten yellow black night "
-    "moon warm fish bird tree banana".split())]
+
 
 def env_words() -> list[str]:
-    """The words of the environments that declare a vocabulary (appended: earlier ids stay)."""
-    from tasks.envs import sokoban, tool_use
+    """The words of the environments that declare a ``VOCAB``, appended after the digits in this
+    order (a new environment goes last), so earlier ids stay as they were."""
+    from tasks.envs import sokoban, tool_use, word_answer
 
-    return [*sokoban.VOCAB, *tool_use.VOCAB]
+    return [*word_answer.VOCAB, *sokoban.VOCAB, *tool_use.VOCAB]
 
 
 CHAT_TEMPLATE = (
@@ -72,7 +69,7 @@ class PolicySpec(BaseModel):
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The shipped word-level tokenizer with a compact chat template."""
     vocab: dict[str, int] = {}
-    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + ANSWER_WORDS + env_words():
+    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + env_words():
         vocab.setdefault(tok, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

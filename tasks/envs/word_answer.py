@@ -27,6 +27,12 @@ QUESTIONS: tuple[tuple[str, str], ...] = (
     ("what is the opposite of up ?", "down"),
     ("what fruit is red ?", "apple"),
 )
+# The words of questions, answers and near misses (puppy for dog), for the tiny policy's tokenizer.
+VOCAB: tuple[str, ...] = tuple(dict.fromkeys(
+    "what color is sky grass snow animal barks says meow frozen water shines day opposite of "
+    "hot blue green white dog cat ice sun cold apple fruit red puppy kitten yellow black night "
+    "moon warm fish bird tree banana".split()))
+
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 MAX_ANSWER_CHARS = 256
 
