@@ -22,9 +22,8 @@ from collections import OrderedDict
 from typing import Any
 
 from tasks.records import InvocationRecord, ScoreBatch, ScoreRequest, ScoreResult
+from tasks.reward_handler import SCHEMA_VERSION
 from tasks.scoring import RewardClient
-
-SCHEMA_VERSION = 1
 
 
 def chunk_size(n: int, concurrency: int, min_batch: int, batch_max: int) -> int:
@@ -42,8 +41,7 @@ def pack(requests: list[ScoreRequest], size: int, max_payload_bytes: int) -> lis
     service's 413 reports it)."""
     chunks: list[list[ScoreRequest]] = []
     cur: list[ScoreRequest] = []
-    cur_bytes = len(json.dumps({"schema_version": SCHEMA_VERSION, "items": []}))
-    base = cur_bytes
+    base = cur_bytes = len(json.dumps(event_of([])))
     for r in requests:
         b = len(json.dumps(r.to_json())) + 2  # the item and its separator
         if cur and (len(cur) >= size or cur_bytes + b > max_payload_bytes):
