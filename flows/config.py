@@ -121,6 +121,12 @@ class RewardConfig(_Strict):
     def functions(self, tasks: list[EnvTaskConfig]) -> set[str]:
         return {t.reward_function or self.function_name for t in tasks}
 
+    def client_settings(self, emulator_url: str | None) -> dict:
+        """What a reward client is built from (``build_reward_client``): these settings, the
+        endpoint resolved to the running emulation's URL when there is one."""
+        return self.model_dump() | {"endpoint_url": emulator_url or self.endpoint_url,
+                                    "emulated": emulator_url is not None}
+
 
 class TrainerConfig(_Strict):
     max_steps: int = Field(default=100, ge=1, description="Train steps (policy versions) to run")

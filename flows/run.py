@@ -110,9 +110,7 @@ class TrainingRun:
             raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
                              "reward_endpoint (flows.train.start_reward_service starts it)")
         # the reward config the workers' clients are built from, endpoint resolved
-        self.reward_cfg = cfg.reward.model_dump() | {
-            "endpoint_url": reward_endpoint or cfg.reward.endpoint_url,
-            "emulated": reward_endpoint is not None}
+        self.reward_cfg = cfg.reward.client_settings(reward_endpoint)
         self.client = cluster.client
         self.router = Router({str(t): cluster.workers_with(t) for t in Tag})
         for tag in Tag:

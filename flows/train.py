@@ -76,9 +76,7 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
             e.template, host=e.host, port=e.port, concurrency=e.concurrency,
             latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region).start()
     if cfg.reward.backend == "lambda":
-        reward = cfg.reward.model_dump() | {
-            "endpoint_url": emulator.url if emulator else cfg.reward.endpoint_url,
-            "emulated": emulator is not None}
+        reward = cfg.reward.client_settings(emulator.url if emulator else None)
         try:
             for name in sorted(cfg.reward.functions(cfg.env_tasks)):
                 client = build_reward_client(reward, name)
