@@ -100,6 +100,20 @@ class RewardStats:
         }
 
 
+def _by_env(trajs: list[Trajectory]) -> dict[str, list[Trajectory]]:
+    by_env: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_env[t.env_name].append(t)
+    return by_env
+
+
+def _episode_metrics(prefix: str, ts: list[Trajectory]) -> dict[str, float]:
+    """What training batches and evaluations both report per environment."""
+    return {f"{prefix}/success": float(np.mean([t.success for t in ts])),
+            f"{prefix}/turns": float(np.mean([t.num_turns for t in ts])),
+            f"{prefix}/format_errors": float(np.mean([t.format_errors for t in ts]))}
+
+
 class TrainingRun:
     """Wires the cluster, the rollout driver, the collector and the trainer for one run."""
 
@@ -366,14 +380,9 @@ class TrainingRun:
             "rollout/response_tokens": float(np.mean([t.loss_mask.sum() for t in trajs])),
             "rollout/sequence_tokens": float(np.mean([len(t.token_ids) for t in trajs])),
         }
-        by_env: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in trajs:
-            by_env[t.env_name].append(t)
-        for name, ts in by_env.items():
-            m[f"env/{name}/success"] = float(np.mean([t.success for t in ts]))
+        for name, ts in _by_env(trajs).items():
+            m |= _episode_metrics(f"env/{name}", ts)
             m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))
-            m[f"env/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
-            m[f"env/{name}/format_errors"] = float(np.mean([t.format_errors for t in ts]))
             m[f"env/{name}/format_penalty"] = float(np.mean(
                 [t.format_errors * float(t.info.get("format_penalty", 0.0)) for t in ts]))
             m[f"env/{name}/env_step_s"] = float(np.mean(
@@ -407,13 +416,8 @@ class TrainingRun:
     def _eval_metrics(self, r: dict) -> dict:
         m: dict = {"eval/step": r["version"], "eval/failed": r["failed"],
                    "eval/elapsed_s": time.perf_counter() - r["t0"]}
-        by_env: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in r["episodes"]:
-            by_env[t.env_name].append(t)
-        for name, ts in sorted(by_env.items()):
-            m[f"eval/{name}/success"] = float(np.mean([t.success for t in ts]))
-            m[f"eval/{name}/turns"] = float(np.mean([t.num_turns for t in ts]))
-            m[f"eval/{name}/format_errors"] = float(np.mean([t.format_errors for t in ts]))
+        for name, ts in sorted(_by_env(r["episodes"]).items()):
+            m |= _episode_metrics(f"eval/{name}", ts)
             m[f"eval/{name}/episodes"] = len(ts)
         self.last_eval = m
         logger.info("evaluation at v%d: %s", r["version"],
