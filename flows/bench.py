@@ -6,7 +6,7 @@ train step, time to a FrozenLake success target, and each one's ratio to async +
 
     python flows/bench.py                        # 4 modes, 20 steps each
     python flows/bench.py --steps 60 --target 0.8  # full runs: end-to-end time to learn
-    python flows/bench.py --modes async/disaggregated sync/disaggregated -- rollout.max_staleness=1
+    python flows/bench.py --modes async/disaggregated sync/disaggregated -- rollout.max_staleness=3
 """
 
 from __future__ import annotations

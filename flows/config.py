@@ -3,23 +3,43 @@
 ``load_config(path, overrides)`` reads YAML, applies dotted overrides (``trainer.max_steps=20``,
 ``env_tasks.0.weight=0.5``) and validates. Any problem raises :class:`ConfigError` whose message
 names the key; the entry point prints that one line and exits with status 2.
+
+Through the Python API a component (``_component_``) or a reward function may be a Python object
+instead of a dotted path (a class or function defined in a notebook cell, a
+``functools.partial``)::
+
+    cfg = load_config()
+    cfg.env_tasks[0].env = {"_component_": MyEnv, "size": 4}
+    cfg.env_tasks[0].reward_fn = my_reward          # run by reward.backend=local
+    cfg = validate(cfg)                              # re-checks the whole config
+
+An entry of ``env_tasks`` (an environment, its weight in the mix, its reward) is an *env task*.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
+from flows.orchestration import min_max_staleness
 from resources.affinity import Objective, Workload
 from resources.catalog import CATALOG, HardwareProfile
 from resources.pools import PoolSpec, Role
-from tasks.components import instantiate
+from tasks.components import COMPONENT, check_signature, describe, resolve
 from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec
-from tasks.reward_handler import resolve_reward
+from tasks.reward_service import resolve_reward
 from tasks.trainer import TrainerHParams
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
@@ -29,37 +49,78 @@ class ConfigError(ValueError):
     """A bad config; the message names the key."""
 
 
+# Keys renamed so that a reward's Python path and its Lambda function cannot be confused.
+RENAMED = {"reward": "reward_fn", "reward_function": "lambda_function",
+           "function_name": "lambda_function"}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              arbitrary_types_allowed=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in RENAMED.items():
+                if old in data and old not in cls.model_fields and new in cls.model_fields:
+                    raise ValueError(f"{old!r} was renamed {new!r}")
+        return data
+
+
+def _component_spec(v: Any) -> Any:
+    """``{_component_: path or object, **kwargs}``; a bare Python object becomes its spec."""
+    if callable(v) and not isinstance(v, dict):
+        return {COMPONENT: v}
+    if not isinstance(v, dict):
+        raise ValueError("must be a mapping with a _component_ key")
+    if COMPONENT not in v:
+        raise ValueError("needs a _component_ key")
+    if not isinstance(v[COMPONENT], str) and not callable(v[COMPONENT]):
+        raise ValueError("_component_ must be a dotted path or a Python callable")
+    return v
+
+
+ComponentSpec = Annotated[dict[str, Any], BeforeValidator(_component_spec)]
+
+
+def _reward_fn(v: Any) -> Any:
+    if isinstance(v, str) or callable(v):
+        return v
+    raise ValueError("must be a dotted path or a Python callable")
+
+
+RewardFn = Annotated[str | Callable[..., Any], BeforeValidator(_reward_fn)]
 
 
 class SamplingConfig(_Strict):
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature")
     max_new_tokens: int = Field(default=16, ge=1, description="Response tokens per turn at most")
+    greedy: bool = Field(default=False, description="Take the most likely token (tests, "
+                         "oracle runs); evaluation is always greedy")
 
 
 class EnvTaskConfig(_Strict):
+    """One env task: an environment, its share of the mix, and how it is rewarded."""
+
     name: str = Field(description="Name used in metrics (env/<name>/...)")
-    env: dict[str, Any] = Field(description="{_component_: dotted path, **kwargs} of a TextEnv")
-    weight: float = Field(default=1.0, gt=0, description="Share of groups drawn from this task")
+    env: ComponentSpec = Field(description="{_component_: path or class, **kwargs} of a TextEnv")
+    weight: float = Field(default=1.0, gt=0, description="Share of groups drawn from this env "
+                          "task")
     group_size: int = Field(default=8, ge=2, description="Trajectories per group (same seed)")
-    reward: str = Field(default="tasks.rewards.env_return",
-                        description="Reward function path (in tasks.rewards or tasks.reward_models)")
-    reward_function: str | None = Field(
-        default=None, description="Lambda function that scores this task (null: "
-                                  "reward.function_name); model-based rewards need the model one")
+    reward_fn: RewardFn = Field(
+        default="tasks.rewards.env_return",
+        description="Reward function: a dotted path in tasks.rewards or tasks.reward_models "
+                    "(what the Lambda handler may call), or a Python callable (backend local)")
+    lambda_function: str | None = Field(
+        default=None, description="Lambda function that runs reward_fn (null: "
+                                  "reward.lambda_function); model-based rewards need the model one")
     seed_range: int = Field(default=1_000_000, ge=1, le=EVAL_SEED_OFFSET,
                             description="Training seeds drawn below this (held-out evaluation "
                                         "seeds start at 10**9)")
     sampling: SamplingConfig | None = Field(default=None,
-                                            description="Overrides rollout.sampling for this task")
-
-    @field_validator("env")
-    @classmethod
-    def _has_component(cls, v: dict) -> dict:
-        if "_component_" not in v:
-            raise ValueError("needs a _component_ key")
-        return v
+                                            description="Overrides rollout.sampling for this "
+                                                        "env task")
 
 
 class RolloutConfig(_Strict):
@@ -95,7 +156,8 @@ class RewardConfig(_Strict):
     backend: Literal["local", "lambda"] = Field(
         default="lambda", description="lambda: boto3 lambda.invoke (AWS, or the emulation); "
                                       "local: the handler's core in-process")
-    function_name: str = Field(default="rollarc-reward", description="Default Lambda function")
+    lambda_function: str = Field(default="rollarc-reward",
+                                 description="Lambda function of env tasks that name none")
     region: str = Field(default="us-east-1", description="AWS region")
     endpoint_url: str | None = Field(default=None, description="Lambda endpoint (null: AWS, or "
                                      "the emulation when emulator.enabled)")
@@ -118,8 +180,9 @@ class RewardConfig(_Strict):
                                         "error; then its trajectories are dropped with reason")
     emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
 
-    def functions(self, tasks: list[EnvTaskConfig]) -> set[str]:
-        return {t.reward_function or self.function_name for t in tasks}
+    def functions(self, env_tasks: list[EnvTaskConfig]) -> set[str]:
+        """The Lambda functions the run calls."""
+        return {t.lambda_function or self.lambda_function for t in env_tasks}
 
     def client_settings(self, emulator_url: str | None) -> dict:
         """What a reward client is built from (``build_reward_client``): these settings, the
@@ -132,7 +195,20 @@ class TrainerConfig(_Strict):
     max_steps: int = Field(default=100, ge=1, description="Train steps (policy versions) to run")
     groups_per_step: int = Field(default=8, ge=1, description="Groups in one train batch")
     hparams: TrainerHParams = Field(default_factory=TrainerHParams)
+    backend: ComponentSpec = Field(
+        default_factory=lambda: {COMPONENT: "tasks.trainer.policy_trainer"},
+        description="Trainer (tasks.trainer.Trainer), called with policy, hparams, seed, loss")
+    loss: ComponentSpec = Field(
+        default_factory=lambda: {COMPONENT: "tasks.losses.decoupled_ppo_loss"},
+        description="Policy loss (tasks.losses.LossFn); extra keys are bound as kwargs")
     resume_from: str | None = Field(default=None, description="checkpoint.pt to resume from")
+
+
+class EngineConfig(_Strict):
+    backend: ComponentSpec = Field(
+        default_factory=lambda: {COMPONENT: "resources.engine.hf_backend"},
+        description="Inference backend (tasks.inference.InferenceBackend), called with policy "
+                    "and max_batch on every inference worker")
 
 
 class ClusterConfig(_Strict):
@@ -154,7 +230,7 @@ class AffinityConfig(_Strict):
 class EvalConfig(_Strict):
     every_steps: int = Field(default=0, ge=0, description="Greedy evaluation on held-out seeds "
                              "every this many train steps, and after the last (0: off)")
-    episodes: int = Field(default=8, ge=1, description="Held-out episodes per environment task "
+    episodes: int = Field(default=8, ge=1, description="Held-out episodes per env task "
                           "and evaluation")
 
 
@@ -171,7 +247,8 @@ class TrainConfig(_Strict):
     placement: Literal["disaggregated", "monolithic"] = Field(default="disaggregated",
                                                               description="Pools or one pool")
     policy: PolicySpec = Field(default_factory=PolicySpec)
-    env_tasks: list[EnvTaskConfig] = Field(min_length=1, description="The task mix")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    env_tasks: list[EnvTaskConfig] = Field(min_length=1, description="The mix of env tasks")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     cluster: ClusterConfig
@@ -214,6 +291,19 @@ class TrainConfig(_Strict):
                 and self.reward.endpoint_url:
             raise ValueError("reward.endpoint_url is set and reward.emulator.enabled is true: "
                              "choose one (emulator.enabled=false to use the endpoint)")
+        if self.reward.backend == "lambda":
+            for i, t in enumerate(self.env_tasks):
+                if not isinstance(t.reward_fn, str):
+                    raise ValueError(
+                        f"env_tasks.{i}.reward_fn: a Python callable ({describe(t.reward_fn)}) "
+                        "cannot run on AWS Lambda (reward.backend=lambda): deploy it and name "
+                        "it by its dotted path, or set reward.backend=local")
+        floor = min_max_staleness(self.rollout.window_batches)
+        if self.mode == "async" and self.rollout.max_staleness < floor:
+            raise ValueError(
+                f"rollout.max_staleness ({self.rollout.max_staleness}) is below what "
+                f"rollout.window_batches ({self.rollout.window_batches}) implies plus one step "
+                f"of weight-sync lag ({floor}): most rollouts would go stale by design")
         return self
 
     def effective_pools(self) -> list[PoolSpec]:
@@ -241,7 +331,14 @@ def _check_path(model: type[BaseModel], parts: list[str], key: str) -> None:
     for i, part in enumerate(parts):
         if isinstance(cls, type) and issubclass(cls, BaseModel):
             if part not in cls.model_fields:
-                raise ConfigError(f"{key}: unknown config key {'.'.join(parts[: i + 1])!r}")
+                new = RENAMED.get(part)
+                hint = ""
+                if new in cls.model_fields:
+                    segs = key.split(".")
+                    segs[len(segs) - 1 - segs[::-1].index(part)] = new
+                    hint = f" (renamed {'.'.join(segs)!r})"
+                raise ConfigError(f"{key}: unknown config key "
+                                  f"{'.'.join(parts[: i + 1])!r}{hint}")
             ann = cls.model_fields[part].annotation
             origin = getattr(ann, "__origin__", None)
             if origin is list:
@@ -291,6 +388,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{item}: overrides are written key=value")
         key, _, raw = item.partition("=")
         apply_override(data, key.strip(), _parse_value(raw))
+    return _validated(data)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check a config built or edited in Python (with component objects) as a file is checked."""
+    return _validated(cfg.model_dump())
+
+
+def _validated(data: dict) -> TrainConfig:
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as exc:
@@ -299,46 +405,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         loc = ".".join(str(p) for p in err["loc"])
         if not loc:  # a cross-field check: its message names the keys itself
             raise ConfigError(msg) from None
-        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict | list) else ""
+        got = (f" (got {err['input']!r})"
+               if isinstance(err.get("input"), str | int | float | bool | None) else "")
         raise ConfigError(f"{loc}: {msg}{got}") from None
     _check_components(cfg)
     return cfg
 
 
 def _check_components(cfg: TrainConfig) -> None:
-    """Build each environment once and resolve each reward, so a bad component fails at start;
-    with the emulation, check its functions exist and the read timeout exceeds theirs."""
-    if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled:
-        _check_emulated_functions(cfg)
-    for i, task in enumerate(cfg.env_tasks):
+    """Resolve every component and check its arguments fit, without constructing anything
+    (environments are built on the workers, per trajectory); an environment class may check
+    argument values itself with a ``check_config(**kwargs)`` classmethod."""
+    checks = [(f"env_tasks.{i}.env", t.env) for i, t in enumerate(cfg.env_tasks)]
+    checks += [("engine.backend", cfg.engine.backend), ("trainer.backend", cfg.trainer.backend),
+               ("trainer.loss", cfg.trainer.loss)]
+    for key, spec in checks:
         try:
-            instantiate(task.env).close()
+            obj = check_signature(spec) if key.endswith(".env") else resolve(spec[COMPONENT])
+            if key.endswith(".env") and hasattr(obj, "check_config"):
+                obj.check_config(**{k: v for k, v in spec.items() if k != COMPONENT})
         except Exception as exc:
-            raise ConfigError(f"env_tasks.{i}.env: {type(exc).__name__}: {exc}") from None
-        try:
-            resolve_reward(task.reward)
-        except (ImportError, PermissionError) as exc:
-            raise ConfigError(f"env_tasks.{i}.reward: {exc}") from None
+            raise ConfigError(f"{key}: {type(exc).__name__}: {exc}") from None
+    for i, t in enumerate(cfg.env_tasks):
+        if isinstance(t.reward_fn, str):
+            try:
+                resolve_reward(t.reward_fn)
+            except (ImportError, PermissionError) as exc:
+                raise ConfigError(f"env_tasks.{i}.reward_fn: {exc}") from None
 
 
-def _check_emulated_functions(cfg: TrainConfig) -> None:
-    from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
-
-    template = cfg.reward.emulator.template or DEFAULT_TEMPLATE
-    try:
-        specs = function_specs(load_sam_template(template))
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
-        raise ConfigError(f"reward.emulator.template: cannot read {template}: {exc}") from None
-    for name in sorted(cfg.reward.functions(cfg.env_tasks)):
-        if name not in specs:
-            raise ConfigError(f"reward.function_name / env_tasks.*.reward_function: {name!r} is "
-                              f"not a function of {template} ({sorted(specs)})")
-        if cfg.reward.read_timeout_s <= specs[name]["timeout_s"]:
-            raise ConfigError(
-                f"reward.read_timeout_s ({cfg.reward.read_timeout_s}) must exceed the timeout of "
-                f"{name} ({specs[name]['timeout_s']} s): the SDK would re-send a long call "
-                "while it still runs")
+def reward_callables(cfg: TrainConfig) -> dict[str, Callable]:
+    """The env tasks' Python reward functions by the name their score requests carry."""
+    return {describe(t.reward_fn): t.reward_fn for t in cfg.env_tasks
+            if not isinstance(t.reward_fn, str)}
 
 
 def resolved_yaml(cfg: TrainConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The config as YAML; a component given as a Python object is named, as far as it can
+    be (it cannot be loaded back from the file)."""
+    data = cfg.model_dump(mode="json", fallback=lambda v: f"<python: {describe(v)}>")
+    return yaml.safe_dump(data, sort_keys=False)

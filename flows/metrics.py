@@ -1,12 +1,76 @@
-"""Metric sinks (slash-namespaced keys) and the live progress line."""
+"""Metrics: pure functions from records to slash-namespaced rows, the sinks they go to, and the
+live progress line."""
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tasks.records import Trajectory
+
+
+def by_env(trajs: list[Trajectory]) -> dict[str, list[Trajectory]]:
+    out: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        out[t.env_name].append(t)
+    return out
+
+
+def episode_metrics(prefix: str, ts: list[Trajectory]) -> dict[str, float]:
+    """What training batches and evaluations both report per environment."""
+    return {f"{prefix}/success": float(np.mean([t.success for t in ts])),
+            f"{prefix}/turns": float(np.mean([t.num_turns for t in ts])),
+            f"{prefix}/format_errors": float(np.mean([t.format_errors for t in ts]))}
+
+
+def batch_metrics(trajs: list[Trajectory], staleness: list[int], dropped_stale: int) -> dict:
+    """``reward/``, ``rollout/`` and ``env/<name>/`` figures of one train batch."""
+    m: dict = {
+        "reward/mean": float(np.mean([t.reward for t in trajs])),
+        "reward/std": float(np.std([t.reward for t in trajs])),
+        "rollout/batch_trajectories": len(trajs),
+        "rollout/staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+        "rollout/staleness_max": int(max(staleness)) if staleness else 0,
+        "rollout/dropped_stale": dropped_stale,
+        "rollout/truncated": float(np.mean([t.truncated for t in trajs])),
+        "rollout/response_tokens": float(np.mean([t.loss_mask.sum() for t in trajs])),
+        "rollout/sequence_tokens": float(np.mean([len(t.token_ids) for t in trajs])),
+    }
+    for name, ts in by_env(trajs).items():
+        m |= episode_metrics(f"env/{name}", ts)
+        m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))
+        m[f"env/{name}/format_penalty"] = float(np.mean(
+            [t.format_errors * float(t.info.get("format_penalty", 0.0)) for t in ts]))
+        m[f"env/{name}/env_step_s"] = float(np.mean(
+            [t.env_step_s / max(t.num_turns, 1) for t in ts]))
+        m[f"env/{name}/trajectories"] = len(ts)
+    return m
+
+
+def eval_metrics(version: int, episodes: list[Trajectory], failed: int, elapsed_s: float) -> dict:
+    """One evaluation round: ``eval/step`` is the version it was started for,
+    ``eval/policy_version_oldest`` the oldest weights its episodes actually ran on."""
+    m: dict = {"eval/step": version, "eval/failed": failed, "eval/elapsed_s": elapsed_s,
+               "eval/policy_version_oldest": min((t.oldest_version for t in episodes),
+                                                 default=version)}
+    for name, ts in sorted(by_env(episodes).items()):
+        m |= episode_metrics(f"eval/{name}", ts)
+        m[f"eval/{name}/episodes"] = len(ts)
+    return m
+
+
+def perf_metrics(elapsed_s: float, accounts: dict) -> dict:
+    """Throughput and the trajectory accounts (``TrajectoryLedger.summary()``)."""
+    return {"perf/elapsed_s": elapsed_s,
+            "perf/trajectories_per_s": accounts["finished"] / max(elapsed_s, 1e-9),
+            "rollout/started": accounts["started"], "rollout/trained": accounts["trained"],
+            "rollout/dropped": sum(accounts["dropped"].values()),
+            "rollout/in_flight": accounts["rolling_out"]}
 
 
 class MetricSink(Protocol):
@@ -18,9 +82,6 @@ class MetricSink(Protocol):
 def read_metrics(run_dir, kind: str = "train") -> list[dict]:
     """The rows of a run's ``metrics.jsonl``: ``train`` (one per train step, ``train/step``) or
     ``eval`` (one per evaluation, ``eval/step``)."""
-    import json
-    from pathlib import Path
-
     key = {"train": "train/step", "eval": "eval/step"}[kind]
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if key in r]

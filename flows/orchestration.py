@@ -1,16 +1,21 @@
 """Orchestration decisions as pure functions and small state machines, without Dask.
 
-- :func:`groups_to_admit` — admission control (how many new groups to start now);
+- :func:`admission_room` — admission control (how many more trajectories may start now);
+- :func:`groups_to_cut` — when to cut a train batch and how many groups it takes;
 - :class:`GroupCollector` — the streaming collector: groups fill as trajectories finish, and a
   batch is cut from whichever groups completed first; stale trajectories are dropped, counted;
 - :func:`staleness` — trainer version at the step that trains a trajectory minus its oldest
   token version;
 - :class:`Router` — which worker of a pool gets the next task (KV and environment affinity, then
-  least in-flight work).
+  least in-flight work);
+- :func:`sample_env_task`, :func:`decode_seed` — the mix draw and the per-turn sampling seed.
+
+The trajectory state machine that keeps the accounts is :mod:`flows.lifecycle`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -101,29 +106,36 @@ class GroupCollector:
         self._open: dict[str, _Group] = {}
         self._ready: OrderedDict[str, _Group] = OrderedDict()
         self.normalise_std = normalise_std
-        # members of groups left too small to compare (others failed); the caller drops them
-        self.orphans: list[Trajectory] = []
 
     def open_group(self, group_id: str, env_name: str, size: int) -> None:
         self._open[group_id] = _Group(group_id, env_name, size)
 
-    def add(self, traj: Trajectory) -> None:
+    def add(self, traj: Trajectory) -> list[Trajectory]:
+        """A scored member arrived. Returns the members of a group completed too small to
+        compare (the others failed): the caller drops them."""
         g = self._open[traj.group_id]
         g.members.append(traj)
-        self._promote(g)
+        return self._promote(g)
 
-    def drop_member(self, group_id: str) -> None:
+    def drop_member(self, group_id: str) -> list[Trajectory]:
+        """A member was dropped before it was scored; returns orphans as :meth:`add` does."""
         g = self._open[group_id]
         g.dropped += 1
-        self._promote(g)
+        return self._promote(g)
 
-    def _promote(self, g: _Group) -> None:
-        if g.complete:
-            del self._open[g.group_id]
-            if len(g.members) >= 2:
-                self._ready[g.group_id] = g
-            else:
-                self.orphans.extend(g.members)
+    def _promote(self, g: _Group) -> list[Trajectory]:
+        if not g.complete:
+            return []
+        del self._open[g.group_id]
+        if len(g.members) >= 2:
+            self._ready[g.group_id] = g
+            return []
+        return list(g.members)
+
+    def members(self) -> list[Trajectory]:
+        """Every scored trajectory not yet cut into a batch (open and ready groups)."""
+        groups = list(self._open.values()) + list(self._ready.values())
+        return [t for g in groups for t in g.members]
 
     @property
     def ready_groups(self) -> int:
@@ -189,3 +201,44 @@ class Router:
 def sample_env_task(weights: list[float], rng: random.Random) -> int:
     """Index of the env task of the next group, drawn by the mix weights."""
     return rng.choices(range(len(weights)), weights=weights, k=1)[0]
+
+
+class GroupDraw:
+    """Draws the next groups of the mix: each group's env task by the mix weights, then its
+    seed, from one random stream. A drawn env task whose group does not fit the room is kept
+    for the next call, so the sequence of groups does not depend on how room arrives."""
+
+    def __init__(self, env_tasks: list, rng: random.Random):
+        self.env_tasks, self.rng = env_tasks, rng
+        self._weights = [t.weight for t in env_tasks]
+        self._next = None
+        self.groups = 0
+
+    def take(self, room: int) -> list[tuple[str, object, int]]:
+        """(group id, env task, seed) of the whole groups that fit in ``room`` trajectories."""
+        out = []
+        while True:
+            if self._next is None:
+                self._next = self.env_tasks[sample_env_task(self._weights, self.rng)]
+            env_task = self._next
+            if env_task.group_size > room:
+                return out
+            room -= env_task.group_size
+            self._next = None
+            out.append((f"{env_task.name}.{self.groups}", env_task,
+                        self.rng.randrange(env_task.seed_range)))
+            self.groups += 1
+
+
+def decode_seed(*parts) -> int:
+    """The sampling seed of one turn (run seed, trajectory, turn, attempt): the same in the Dask
+    flow and the reference loop, whatever worker or batch the turn runs in."""
+    h = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFF_FFFF
+
+
+def min_max_staleness(window_batches: int) -> int:
+    """The staleness async admission produces by design: a trajectory admitted while the
+    trainer is at v may be trained up to ``window_batches`` steps later, and its first turn may
+    still run on v - 1 weights while v is being loaded (one step of sync lag)."""
+    return window_batches + 1

@@ -29,18 +29,14 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-from flows.config import ConfigError, TrainConfig, load_config, resolved_yaml
-from flows.metrics import ProgressLine, make_sink
-from flows.run import TrainingRun
-from resources.affinity import pool_tags, route
-from resources.cluster import ClusterHandle, connect, start_local_cluster
-from resources.lambda_emulator import LambdaEmulator
+from flows.config import ConfigError, load_config
+from flows.launch import RewardServiceError, run_training
+from flows.reward_dispatch import RewardServiceFailing
 
 logger = logging.getLogger("rollarc")
 
@@ -54,45 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
-    if scheduler:
-        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s)
-    pools = cfg.effective_pools()
-    routing = route(pools, cfg.affinity.workload, cfg.affinity.objective, cfg.affinity.profiles)
-    logger.info("affinity routing: %s", {s.value: p for s, p in routing.items()})
-    return start_local_cluster(pools, pool_tags(pools, routing), cfg.cluster.dashboard_port,
-                               cfg.cluster.processes, cfg.cluster.startup_timeout_s)
-
-
-def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
-    """backend=lambda with the emulation: start it, and check every function the run calls
-    answers a DryRun through the very client the workers use (fail fast, not mid-run)."""
-    from resources.reward_client import build_reward_client
-
-    emulator = None
-    if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled:
-        e = cfg.reward.emulator
-        emulator = LambdaEmulator.from_template(
-            e.template, host=e.host, port=e.port, concurrency=e.concurrency,
-            latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region).start()
-    if cfg.reward.backend == "lambda":
-        reward = cfg.reward.client_settings(emulator.url if emulator else None)
-        try:
-            for name in sorted(cfg.reward.functions(cfg.env_tasks)):
-                client = build_reward_client(reward, name)
-                try:
-                    client.check()
-                finally:
-                    client.close()
-        except RuntimeError:
-            if emulator is not None:
-                emulator.stop()
-            raise
-        logger.info("reward functions %s reachable at %s", sorted(cfg.reward.functions(
-            cfg.env_tasks)), reward["endpoint_url"] or f"AWS Lambda ({cfg.reward.region})")
-    return emulator
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -104,39 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("distributed", "tornado", "bokeh"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
-    logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml", resolved_yaml(cfg))
-
     try:
-        emulator = start_reward_service(cfg)
-    except RuntimeError as exc:
+        summary = run_training(cfg, run_dir, scheduler=args.scheduler,
+                               dashboard=lambda line: print(line, flush=True))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except RewardServiceError as exc:
         print(f"reward service error: {exc}", file=sys.stderr)
         return 3
-    cluster = make_cluster(cfg, args.scheduler)
-    sink = make_sink(cfg.metrics.sink, run_dir)
-    try:
-        print(f"Dask dashboard: {cluster.dashboard_link}", flush=True)
-        run = TrainingRun(cfg, cluster, run_dir, sink, emulator.url if emulator else None)
-        run.setup()
-        with ProgressLine(cfg.trainer.max_steps, cfg.metrics.progress) as progress:
-            run.run(progress)
-        run.save()
-        summary = run.summary()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        t = summary["trajectories"]
-        print(f"done: v{summary['policy_version']} in {summary['elapsed_s']:.0f}s, "
-              f"{t['trained']}/{t['started']} trajectories trained, dropped {t['dropped']}; "
-              f"run dir {run_dir}", flush=True)
-        r = summary["reward"]
-        print(f"reward: {r['invocations']} invocations, {r['mean_batch']:.1f} trajectories per "
-              f"call, {r['throttles']} throttles, {sum(r['lost'].values())} trajectories lost "
-              "to scoring", flush=True)
-    finally:
-        sink.close()
-        cluster.close()
-        if emulator is not None:
-            emulator.stop()
+    except RewardServiceFailing as exc:
+        print(f"run stopped: {exc}", file=sys.stderr)
+        return 1
+    t = summary["trajectories"]
+    print(f"done: v{summary['policy_version']} in {summary['elapsed_s']:.0f}s, "
+          f"{t['trained']}/{t['started']} trajectories trained, dropped {t['dropped']}; "
+          f"run dir {run_dir}", flush=True)
+    r = summary["reward"]
+    print(f"reward: {r['invocations']} invocations, {r['mean_batch']:.1f} trajectories per "
+          f"call, {r['throttles']} throttles, {sum(r['lost'].values())} trajectories lost "
+          "to scoring", flush=True)
     return 0
 
 

@@ -35,9 +35,12 @@ class ClusterHandle:
         return int(sum(r.get(str(tag), 0) for r in self.worker_tags.values()))
 
     def close(self) -> None:
-        self.client.close()
+        """In order: a local cluster retires and closes its workers, then its scheduler, while
+        the client is still connected; the client goes last. (Closing the client first left
+        worker heartbeats racing the scheduler's exit, which logged CommClosedError.)"""
         if self.cluster is not None:
             self.cluster.close()
+        self.client.close()
 
 
 # Worker processes log warnings only, and never reach for a model hub.

@@ -1,5 +1,9 @@
-"""The worker-resident inference engine: one model per worker process, versioned weights, and a
+"""The ``hf`` inference backend: transformers models behind :class:`tasks.inference.InferenceBackend`.
+
+:class:`InferenceEngine` is one model per worker process, versioned weights, and a
 micro-batcher that merges the forward requests of concurrent tasks into shared forward passes.
+:class:`HFBackend` puts the turn logic of :mod:`tasks.generation` (``kv_prefill``,
+``kv_decode``) on top of it; its cache handle is a :class:`tasks.records.KVCache`.
 
 Each Dask task thread calls :meth:`InferenceEngine.forward` and blocks; one engine thread drains
 the request queue, pads the requests' past KV caches (left) and new tokens (right) into one batch,
@@ -22,7 +26,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from tasks.policy import kv_geometry
+from tasks.generation import kv_decode, kv_prefill
+from tasks.policy import PolicySpec, kv_geometry, load_policy, stop_token_ids
+from tasks.records import DecodeOutput, KVCache, PrefillOutput, SamplingParams, WeightsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -202,3 +208,40 @@ class InferenceEngine:
             kv_new = torch.stack([keys[:, b, :, :n], values[:, b, :, :n]], dim=1).contiguous()
             results.append(ForwardResult(kv_new, logits[b, n - 1].clone(), self.version))
         return results
+
+
+class HFBackend:
+    """The ``hf`` backend: an :class:`InferenceEngine` plus the tokenizer, stop tokens and
+    context limit a turn needs."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer, stop_ids: list[int], max_context: int):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.stop_ids, self.max_context = list(stop_ids), max_context
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def prefill(self, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
+        return kv_prefill(self.engine, cache, new_ids)
+
+    def decode(self, prefilled: PrefillOutput, cache: KVCache | None, params: SamplingParams,
+               seed: int) -> DecodeOutput:
+        return kv_decode(self.engine, prefilled, cache, self.tokenizer, params, self.stop_ids,
+                         self.max_context, seed)
+
+    def load_weights(self, snapshot: WeightsSnapshot) -> int:
+        return self.engine.load_weights(snapshot.state, snapshot.version)
+
+    def stats(self) -> dict:
+        return dict(self.engine.stats.__dict__, version=self.engine.version)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.0) -> HFBackend:
+    """Build the ``hf`` backend of ``policy`` (the ``engine.backend`` default)."""
+    model, tokenizer = load_policy(policy)
+    return HFBackend(InferenceEngine(model, max_batch=max_batch, batch_wait_s=batch_wait_s),
+                     tokenizer, stop_token_ids(tokenizer), policy.max_context)

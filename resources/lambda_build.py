@@ -9,8 +9,9 @@ byte-for-byte reproducibly. Powertools and pydantic come from the public Powerto
 is a container image; the command only prints how to build it and how to deploy.
 
 :func:`load_sam_template` parses the template despite its CloudFormation short tags (``!Ref``,
-``!Sub``, ...), and :func:`function_specs` gives each function's handler, limits and environment
-with ``Globals`` applied, as the local Lambda emulator needs them.
+``!Sub``, ...), :func:`function_specs` gives each function's handler, limits and environment
+with ``Globals`` applied, as the local Lambda emulator needs them, and
+:func:`check_template_functions` checks a run's functions against them before it starts.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ RULE_DIR_NAME = "rule"
 RULE_ZIP_NAME = "rule-reward.zip"
 IMAGE_NAME = "rollarc-reward-model"
 
-# What the rule-based function imports, relative to PROJECT_ROOT.
+# What the rule-based function imports, relative to PROJECT_ROOT: the handler and the pure
+# core it wraps, the rule-based rewards and the parsers they replay answers with.
 RULE_FUNCTION_FILES: tuple[str, ...] = (
+    "resources/__init__.py",
+    "resources/lambda_handler.py",
     "tasks/__init__.py",
     "tasks/components.py",
     "tasks/rewards.py",
-    "tasks/reward_handler.py",
+    "tasks/reward_service.py",
     "tasks/envs/__init__.py",
     "tasks/envs/base.py",
     "tasks/envs/frozenlake.py",
@@ -205,6 +209,28 @@ def function_specs(template: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "runtime": _resolve(props.get("Runtime"), template, what),
         }
     return specs
+
+
+def check_template_functions(template: str | os.PathLike[str] | None, names: Iterable[str],
+                             read_timeout_s: float) -> None:
+    """Raises ValueError, naming the config key, unless every function in ``names`` is in the
+    template (None: the project's) with a timeout below ``read_timeout_s``: the emulation runs
+    only what the template defines, and a read timeout at or below a function's timeout makes
+    the SDK re-send a call that still runs, so the function runs twice."""
+    template = DEFAULT_TEMPLATE if template is None else template
+    try:
+        specs = function_specs(load_sam_template(template))
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"reward.emulator.template: cannot read {template}: {exc}") from None
+    for name in sorted(names):
+        if name not in specs:
+            raise ValueError(f"reward.lambda_function / env_tasks.*.lambda_function: {name!r} is "
+                             f"not a function of {template} ({sorted(specs)})")
+        if read_timeout_s <= specs[name]["timeout_s"]:
+            raise ValueError(
+                f"reward.read_timeout_s ({read_timeout_s}) must exceed the timeout of "
+                f"{name} ({specs[name]['timeout_s']} s): the SDK would re-send a long call "
+                "while it still runs")
 
 
 # --- the build ----------------------------------------------------------------------------------

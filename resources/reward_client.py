@@ -1,15 +1,18 @@
-"""The reward-client interface, what every backend shares, and the ``local`` backend.
+"""What every reward backend shares, and the ``local`` backend.
 
-A client scores a batch of :class:`ScoreRequest` and returns a :class:`ScoreBatch`: one
-:class:`ScoreResult` per request, in order, plus a record of every call it made. Failures come
-back as results with ``error`` set (``"<reason>: <message>"``), never as silent zeros, and a
-trajectory's reward is applied once per idempotency key (the :class:`ScoreLedger`), however often
-its batch was sent. Backends:
+A client (:class:`tasks.scoring.RewardClient`) scores a batch of :class:`ScoreRequest` and
+returns a :class:`ScoreBatch`: one :class:`ScoreResult` per request, in order, plus a record of
+every call it made. Failures come back as results with ``error`` set (``"<reason>: <message>"``),
+never as silent zeros, and a trajectory's reward is applied once per idempotency key (the
+:class:`ScoreLedger`), however often its batch was sent. Backends:
 
 - ``local`` (:class:`LocalRewardClient`): the deployed handler's core, in-process, with the
   same JSON round trip;
 - ``lambda`` (:class:`resources.lambda_client.LambdaRewardClient`): boto3 against AWS Lambda or
   the local emulation of its Invoke API.
+
+:func:`resources.reward_backends.build_reward_client` picks one; this module imports neither it
+nor the ``lambda`` backend, which builds on the helpers here.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 from tasks.records import InvocationRecord, ScoreBatch, ScoreRequest, ScoreResult
-from tasks.reward_handler import SCHEMA_VERSION
-from tasks.scoring import RewardClient
+from tasks.reward_service import SCHEMA_VERSION, RewardFn, handle
 
 
 def chunk_size(n: int, concurrency: int, min_batch: int, batch_max: int) -> int:
@@ -139,18 +142,25 @@ def apply_results(ledger: ScoreLedger, n: int, known: dict[int, ScoreResult],
 
 
 class LocalRewardClient:
-    """Runs the deployed handler's core (:func:`tasks.reward_handler.handle`) in-process,
-    through a JSON round trip; for runs without a Lambda endpoint."""
+    """Runs the deployed handler's core (:func:`tasks.reward_service.handle`) in-process,
+    through a JSON round trip; for runs without a Lambda endpoint. ``functions`` are reward
+    callables by name that need no deployment (see ``handle``)."""
 
     def __init__(self, batch_max: int = 32, min_batch: int = 1,
-                 max_payload_bytes: int = 6_000_000):
+                 max_payload_bytes: int = 6_000_000,
+                 functions: Mapping[str, RewardFn] | None = None):
         self.batch_max, self.min_batch = batch_max, min_batch
         self.max_payload_bytes = max_payload_bytes
+        self.functions = dict(functions or {})
         self.ledger = ScoreLedger()
 
-    def score(self, requests: list[ScoreRequest]) -> ScoreBatch:
-        from tasks.reward_handler import handle
+    def check(self) -> None:
+        """Nothing to reach: the rewards resolve per item, and a bad one fails that item."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def score(self, requests: list[ScoreRequest]) -> ScoreBatch:
         known, todo = split_known(self.ledger, requests)
         reqs = [r for _, r in todo]
         size = chunk_size(len(reqs), 1, self.min_batch, self.batch_max)
@@ -159,24 +169,9 @@ class LocalRewardClient:
         for chunk in pack(reqs, size, self.max_payload_bytes):  # chunks keep the order of reqs
             payload = json.dumps(event_of(chunk))
             t = time.perf_counter()
-            response = json.loads(json.dumps(handle(json.loads(payload))))
+            response = json.loads(json.dumps(handle(json.loads(payload), self.functions)))
             results.extend(results_of(chunk, response))
             records.append(InvocationRecord(
                 "local", len(chunk), len(payload), time.perf_counter() - t,
                 "bad_event" if "error" in response else "ok"))
         return apply_results(self.ledger, len(requests), known, todo, results, records)
-
-
-def build_reward_client(reward: dict[str, Any], function_name: str) -> RewardClient:
-    """The client of ``reward`` (``TrainConfig.reward`` as a dict, its ``endpoint_url`` resolved)
-    for one function."""
-    if reward["backend"] == "local":
-        return LocalRewardClient(reward["batch_max"], reward["min_batch"],
-                                 reward["max_payload_bytes"])
-    from resources.lambda_client import LambdaRewardClient
-
-    keys = ("region", "endpoint_url", "concurrency", "batch_max", "min_batch",
-            "max_payload_bytes", "read_timeout_s", "connect_timeout_s", "sdk_max_attempts",
-            "throttle_retries", "function_error_retries")
-    return LambdaRewardClient(function_name, **{k: reward[k] for k in keys},
-                              dummy_credentials=bool(reward.get("emulated")))

@@ -1,9 +1,10 @@
 """Worker-resident state and the thin adapter that hands it to the plain functions of ``tasks/``.
 
 One :class:`RollArcWorkerPlugin` per worker process holds, created lazily on first use, the
-inference engine (model loaded once, versioned weights), the environment registry, the tokenizer
-and, on the trainer's worker, the trainer. ``with_engine``/``with_envs``/``with_trainer`` are the
-functions the flows submit: they look the state up on the executing worker and call the task.
+inference backend (model loaded once, versioned weights), the environment registry, the tokenizer,
+the reward clients and, on the trainer's worker, the trainer. ``with_backend``/``with_envs``/
+``with_trainer``/``with_reward_client`` are the functions the flows submit: they look the state up
+on the executing worker and call the stage function.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from tasks.components import instantiate
-from tasks.policy import PolicySpec, load_policy, load_tokenizer
-from tasks.trainer import PolicyTrainer, TrainerHParams
+from tasks.components import COMPONENT, bind, instantiate
+from tasks.env_steps import EnvRegistry
+from tasks.inference import InferenceBackend
+from tasks.policy import PolicySpec, load_tokenizer
+from tasks.trainer import Trainer, TrainerHParams
 
 logger = logging.getLogger(__name__)
 
@@ -27,61 +30,34 @@ PLUGIN_NAME = "rollarc"
 TORCH_THREADS_ENV = "ROLLARC_TORCH_THREADS"
 
 
-class EnvRegistry:
-    """Environment instances of one worker, by id, with a live-instance count."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self._envs: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self.created = 0
-        self.closed = 0
-
-    def create(self, spec: dict, instance_id: str) -> Any:
-        env = instantiate(spec)
-        with self._lock:
-            if instance_id in self._envs:
-                raise KeyError(f"environment {instance_id} already exists on {self.address}")
-            self._envs[instance_id] = env
-            self.created += 1
-        return env
-
-    def get(self, instance_id: str) -> Any:
-        try:
-            return self._envs[instance_id]
-        except KeyError:
-            raise KeyError(f"environment {instance_id} is not live on {self.address}") from None
-
-    def close(self, instance_id: str) -> bool:
-        with self._lock:
-            env = self._envs.pop(instance_id, None)
-            if env is not None:
-                self.closed += 1
-        if env is None:
-            return False
-        env.close()
-        return True
-
-    @property
-    def live(self) -> int:
-        return len(self._envs)
-
-
 class RollArcWorkerPlugin(WorkerPlugin):
-    """Holds one worker's engine, environments, tokenizer and trainer."""
+    """Holds one worker's inference backend, environments, tokenizer, trainer and reward clients.
+
+    ``backend`` and ``trainer`` are component specs (``{_component_: path or object, ...}``),
+    called as ``backend(policy=PolicySpec, max_batch=int)`` and ``trainer(policy=PolicySpec,
+    hparams=TrainerHParams, seed=int, loss=LossFn)``; ``reward_functions`` are Python reward
+    callables by name, for the ``local`` reward backend. Dask pickles the plugin (cloudpickle),
+    so objects defined in a notebook reach the workers with it.
+    """
 
     name = PLUGIN_NAME
 
-    def __init__(self, policy: dict, trainer: dict, seed: int = 0, reward: dict | None = None):
+    def __init__(self, policy: dict, backend: dict | None = None, trainer: dict | None = None,
+                 hparams: dict | None = None, loss: dict | None = None, seed: int = 0,
+                 reward: dict | None = None, reward_functions: dict[str, Any] | None = None):
         self.policy_spec = policy
-        self.trainer_hp = trainer
+        self.backend_spec = backend or {COMPONENT: "resources.engine.hf_backend"}
+        self.trainer_spec = trainer or {COMPONENT: "tasks.trainer.policy_trainer"}
+        self.hparams = hparams or {}
+        self.loss_spec = loss
         self.seed = seed
         self.reward_cfg = reward or {"backend": "local"}
+        self.reward_functions = dict(reward_functions or {})
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
         self._lock = threading.RLock()
-        self._engine = self._envs = self._tokenizer = self._trainer = None
+        self._backend = self._envs = self._tokenizer = self._trainer = None
         self._reward_clients: dict[str, Any] = {}
         self.address = worker.address
         # the pool's torch_threads reach the worker as an environment variable (Nanny env)
@@ -90,8 +66,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
         self.engine_max_batch = max(1, int(worker.state.nthreads))
 
     def teardown(self, worker) -> None:
-        if self._engine is not None:
-            self._engine.close()
+        if self._backend is not None:
+            self._backend.close()
         for c in self._reward_clients.values():
             getattr(c, "close", lambda: None)()
 
@@ -107,15 +83,13 @@ class RollArcWorkerPlugin(WorkerPlugin):
             return self._tokenizer
 
     @property
-    def engine(self):
-        from resources.engine import InferenceEngine
-
+    def backend(self) -> InferenceBackend:
         with self._lock:
-            if self._engine is None:
-                model, self._tokenizer = load_policy(self.spec)
-                self._engine = InferenceEngine(model, max_batch=self.engine_max_batch)
-                logger.info("engine loaded on %s", self.address)
-            return self._engine
+            if self._backend is None:
+                self._backend = instantiate(self.backend_spec, policy=self.spec,
+                                            max_batch=self.engine_max_batch)
+                logger.info("inference backend loaded on %s", self.address)
+            return self._backend
 
     @property
     def envs(self) -> EnvRegistry:
@@ -125,29 +99,30 @@ class RollArcWorkerPlugin(WorkerPlugin):
             return self._envs
 
     @property
-    def trainer(self) -> PolicyTrainer:
+    def trainer(self) -> Trainer:
         with self._lock:
             if self._trainer is None:
-                model, tok = load_policy(self.spec)
-                self._trainer = PolicyTrainer(model, tok, TrainerHParams(**self.trainer_hp),
-                                              seed=self.seed)
+                loss = bind(self.loss_spec) if self.loss_spec else None
+                self._trainer = instantiate(self.trainer_spec, policy=self.spec,
+                                            hparams=TrainerHParams(**self.hparams),
+                                            seed=self.seed, loss=loss)
             return self._trainer
 
-    def reward_client(self, function_name: str):
+    def reward_client(self, lambda_function: str):
         """This worker's client of one reward function (one connection pool, one ledger)."""
-        from resources.reward_client import build_reward_client
+        from resources.reward_backends import build_reward_client
 
         with self._lock:
-            if function_name not in self._reward_clients:
-                self._reward_clients[function_name] = build_reward_client(self.reward_cfg,
-                                                                          function_name)
-            return self._reward_clients[function_name]
+            if lambda_function not in self._reward_clients:
+                self._reward_clients[lambda_function] = build_reward_client(
+                    self.reward_cfg, lambda_function, self.reward_functions)
+            return self._reward_clients[lambda_function]
 
     def report(self) -> dict:
         """Counters for summaries and tests."""
         out: dict[str, Any] = {"address": self.address}
-        if self._engine is not None:
-            out["engine"] = dict(self._engine.stats.__dict__, version=self._engine.version)
+        if self._backend is not None:
+            out["engine"] = self._backend.stats()
         if self._envs is not None:
             out["envs"] = {"live": self._envs.live, "created": self._envs.created,
                            "closed": self._envs.closed}
@@ -163,15 +138,9 @@ def _plugin() -> RollArcWorkerPlugin:
     return get_worker().plugins[PLUGIN_NAME]
 
 
-def with_engine(fn, *args, **kwargs):
-    """Call ``fn(engine, *args)`` with this worker's inference engine."""
-    return fn(_plugin().engine, *args, **kwargs)
-
-
-def with_engine_tokenizer(fn, *args, **kwargs):
-    """Call ``fn(engine, first_arg, ..., tokenizer=...)``: decode needs both."""
-    p = _plugin()
-    return fn(p.engine, *args, tokenizer=p.tokenizer, **kwargs)
+def with_backend(fn, *args, **kwargs):
+    """Call ``fn(backend, *args)`` with this worker's inference backend."""
+    return fn(_plugin().backend, *args, **kwargs)
 
 
 def with_envs(fn, *args, **kwargs):
@@ -194,9 +163,9 @@ def plain(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def with_reward_client(fn, function_name: str, *args, **kwargs):
+def with_reward_client(fn, lambda_function: str, *args, **kwargs):
     """Call ``fn(client, *args)`` with this worker's client of the reward function."""
-    return fn(_plugin().reward_client(function_name), *args, **kwargs)
+    return fn(_plugin().reward_client(lambda_function), *args, **kwargs)
 
 
 def worker_report(dask_worker=None) -> dict:

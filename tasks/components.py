@@ -1,27 +1,78 @@
-"""Swap components by dotted path: ``{_component_: tasks.rewards.env_return, ...kwargs}``."""
+"""Swap components by dotted path or by Python object.
+
+A component spec is ``{_component_: <dotted path or object>, **kwargs}``. From YAML the
+``_component_`` is a dotted path (``tasks.envs.frozenlake.FrozenLakeText``); through the Python
+API it may also be the object itself (a class, a function, a ``functools.partial``), e.g. one
+defined in a notebook cell. Dask ships such an object to the workers with cloudpickle, so it
+needs no importable module there.
+"""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Any
 
+COMPONENT = "_component_"
 
-def resolve(path: str) -> Any:
-    """Import ``pkg.module.attr``; a clear error names the path when it does not resolve."""
-    module_name, _, attr = path.rpartition(".")
+
+def resolve(target: Any) -> Any:
+    """The object a ``_component_`` names: import ``pkg.module.attr``, or return a Python object
+    as it is. A path that does not resolve raises ImportError naming it."""
+    if not isinstance(target, str):
+        if not callable(target):
+            raise ImportError(f"_component_ {target!r} is neither a dotted path nor callable")
+        return target
+    module_name, _, attr = target.rpartition(".")
     if not module_name:
-        raise ImportError(f"_component_ {path!r} is not a dotted path")
+        raise ImportError(f"_component_ {target!r} is not a dotted path")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"_component_ {path!r}: cannot import {module_name!r}: {exc}") from exc
+        raise ImportError(f"_component_ {target!r}: cannot import {module_name!r}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ImportError(f"_component_ {path!r}: {module_name!r} has no {attr!r}") from None
+        raise ImportError(f"_component_ {target!r}: {module_name!r} has no {attr!r}") from None
+
+
+def kwargs_of(spec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in spec.items() if k != COMPONENT}
 
 
 def instantiate(spec: dict[str, Any], **extra: Any) -> Any:
     """Call the ``_component_`` of ``spec`` with its other keys (and ``extra``) as kwargs."""
-    kwargs = {k: v for k, v in spec.items() if k != "_component_"}
-    return resolve(spec["_component_"])(**kwargs, **extra)
+    return resolve(spec[COMPONENT])(**kwargs_of(spec), **extra)
+
+
+def bind(spec: dict[str, Any]) -> Any:
+    """The ``_component_`` with its kwargs bound but not called (a loss function, say)."""
+    fn, kwargs = resolve(spec[COMPONENT]), kwargs_of(spec)
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def check_signature(spec: dict[str, Any], **extra: Any) -> Any:
+    """Resolve ``spec`` and check its kwargs fit the component's signature, without calling it.
+    Returns the resolved object; raises ImportError or TypeError naming the problem."""
+    obj = resolve(spec[COMPONENT])
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return obj
+    try:
+        sig.bind(**kwargs_of(spec), **extra)
+    except TypeError as exc:
+        raise TypeError(f"{describe(obj)}: {exc}") from None
+    return obj
+
+
+def describe(obj: Any) -> str:
+    """A stable, readable name of a component (a dotted path stays as it is)."""
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, functools.partial):
+        return f"partial({describe(obj.func)})"
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{name}"

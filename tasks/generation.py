@@ -1,9 +1,15 @@
 """prefill and decode: the two halves of one turn of generation.
 
-``prefill`` (compute-bound) reads the turn's new tokens after the cache so far and returns only
-their KV plus the last position's logits. ``decode`` (bandwidth-bound) samples from those logits
-and continues token by token, running only the tokens it sampled itself, so the cache it leaves
-covers the whole conversation so far. No token's KV is computed twice.
+The stage functions (:func:`prefill`, :func:`decode`, :func:`response_of`) are what the flows
+submit; they call any :class:`tasks.inference.InferenceBackend` and pass its cache handle along
+without looking inside.
+
+:func:`kv_prefill` and :func:`kv_decode` are how the ``hf`` backend computes a turn over a
+batched forward engine (:class:`resources.engine.InferenceEngine`): prefill (compute-bound) reads
+the turn's new tokens after the cache so far and returns only their KV plus the last position's
+logits; decode (bandwidth-bound) samples from those logits and continues token by token, running
+only the tokens it sampled itself, so the cache it leaves covers the whole conversation so far.
+No token's KV is computed twice.
 """
 
 from __future__ import annotations
@@ -11,16 +17,45 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tasks.records import DecodeOutput, EnvObservation, PrefillOutput, SamplingParams, TurnSample
+from tasks.records import (
+    DecodeOutput,
+    EnvObservation,
+    KVCache,
+    PrefillOutput,
+    SamplingParams,
+    TurnSample,
+    WeightsSnapshot,
+)
+
+# -- stage functions (one Dask task each) -----------------------------------------------------
 
 
-def prefill(engine, past: DecodeOutput | None, observation: EnvObservation) -> PrefillOutput:
-    """KV for ``past.pending_ids + observation.input_ids`` (new tokens only) and last logits."""
-    new_ids = (past.pending_ids if past is not None else []) + list(observation.input_ids)
-    res = engine.forward(past.kv if past is not None else None, new_ids)
+def prefill(backend, past: DecodeOutput | None, observation: EnvObservation):
+    """Read the observation's tokens after the trajectory's cache so far."""
+    return backend.prefill(past.cache if past is not None else None, list(observation.input_ids))
+
+
+def decode(backend, prefilled, past: DecodeOutput | None, params: SamplingParams,
+           seed: int) -> DecodeOutput:
+    """Sample the turn's response from what prefill left."""
+    return backend.decode(prefilled, past.cache if past is not None else None, params, seed)
+
+
+def response_of(decoded: DecodeOutput) -> TurnSample:
+    """The small part of a decode output, extracted where it lives so the cache stays put."""
+    return decoded.sample
+
+
+# -- the hf backend's turn over a forward engine ------------------------------------------------
+
+
+def kv_prefill(engine, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
+    """KV for ``cache.pending_ids + new_ids`` (new tokens only) and the last logits."""
+    ids = (cache.pending_ids if cache is not None else []) + list(new_ids)
+    res = engine.forward(cache.kv if cache is not None else None, ids)
     return PrefillOutput(
         kv_new=res.kv_new.numpy(), last_logits=res.last_logits.numpy(),
-        n_past=past.n_tokens if past is not None else 0, n_new=len(new_ids),
+        n_past=cache.n_tokens if cache is not None else 0, n_new=len(ids),
         policy_version=res.version,
     )
 
@@ -37,18 +72,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     return tok, float(logp[tok])
 
 
-def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokenizer,
-           params: SamplingParams, stop_ids: list[int], max_context: int, seed: int) -> DecodeOutput:
+def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokenizer,
+              params: SamplingParams, stop_ids: list[int], max_context: int,
+              seed: int) -> DecodeOutput:
     """Sample the turn's response starting from prefill's logits.
 
-    The cache grows on this worker: ``past.kv`` (already here when the router keeps a
+    The cache grows on this worker: ``cache.kv`` (already here when the router keeps a
     trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'.
     """
-    parts = [past.kv] if past is not None else []
+    parts = [cache.kv] if cache is not None else []
     kv = torch.from_numpy(np.concatenate(parts + [prefill_out.kv_new], axis=3))
     gen = torch.Generator().manual_seed(seed)
     logits = torch.from_numpy(prefill_out.last_logits)
-    version = prefill_out.policy_version
+    version = oldest = prefill_out.policy_version
     tokens, logprobs, versions = [], [], []
     processed = 0
     stopped = context_full = False
@@ -62,9 +98,11 @@ def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokeni
             context_full = True  # the trajectory ends here; the token is never read back
             break
         # Run the sampled token so the cache left here is complete: the next turn's prefill
-        # reads only the new observation tokens.
+        # reads only the new observation tokens. Its weights count for staleness even when no
+        # token is sampled from its logits (the last token of the turn).
         res = engine.forward(kv, [tok])
         processed += 1
+        oldest = min(oldest, res.version)
         kv = torch.cat([kv, res.kv_new], dim=3)
         if stopped or len(tokens) >= params.max_new_tokens:
             break
@@ -73,12 +111,12 @@ def decode(engine, prefill_out: PrefillOutput, past: DecodeOutput | None, tokeni
     sample = TurnSample(
         token_ids=tokens, logprobs=logprobs, versions=versions,
         text=tokenizer.decode(text_ids, skip_special_tokens=True), stopped=stopped,
-        context_full=context_full, decode_tokens_processed=processed,
+        context_full=context_full, decode_tokens_processed=processed, oldest_version=oldest,
     )
     pending = [tokens[-1]] if context_full else []
-    return DecodeOutput(kv=kv.numpy(), pending_ids=pending, sample=sample)
+    return DecodeOutput(cache=KVCache(kv.numpy(), pending), sample=sample)
 
 
-def response_of(decoded: DecodeOutput) -> TurnSample:
-    """The small part of a decode output, extracted where it lives so the cache stays put."""
-    return decoded.sample
+def load_weights(backend, snapshot: WeightsSnapshot) -> int:
+    """Switch an inference backend to published weights (at its next safe point)."""
+    return backend.load_weights(snapshot)

@@ -10,6 +10,7 @@ min(pi_prox / pi_behav, cap) (TIS, Yao et al. 2025), which is not differentiated
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,12 +23,36 @@ class LossOutput:
     kl_behaviour: float
 
 
+class LossFn(Protocol):
+    """The policy loss the trainer minimises, swappable as a component.
+
+    logp: [B, T] current policy's log-prob of each token, with grad; prox_logp: [B, T] proximal
+    (recomputed old) policy, no grad; behaviour_logp: [B, T] the sampler's log-probs;
+    advantages: [B], one per trajectory; mask: [B, T] bool, True on policy-generated tokens.
+    Position 0 of each row has no log-prob (0) and is masked. ``loss`` must be a scalar that
+    backpropagates to ``logp``; the floats are reported in TrainStats.
+    """
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        prox_logp: torch.Tensor,
+        behaviour_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        clip_eps: float,
+        tis_cap: float,
+    ) -> LossOutput: ...
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,  # [B, T] current policy, with grad
     prox_logp: torch.Tensor,  # [B, T] proximal (recomputed old) policy
     behaviour_logp: torch.Tensor,  # [B, T] sampler's log-probs
     advantages: torch.Tensor,  # [B] group-relative, one per trajectory
     mask: torch.Tensor,  # [B, T] bool, policy-generated tokens
+    *,
     clip_eps: float = 0.2,
     tis_cap: float = 2.0,
 ) -> LossOutput:

@@ -1,7 +1,7 @@
 """The policy: a causal LM of a real transformers architecture, and its tokenizer.
 
-The embedded default is a tiny Qwen2 initialised at random from config, with a word-level
-tokenizer built here from the environments' vocabulary (no download). ``policy.path`` loads any
+The embedded default is a tiny Qwen2 initialised at random from config, with the tokenizer of
+:mod:`tasks.tiny_tokenizer` (whole words and characters, no download). ``policy.path`` loads any
 Hugging Face causal-LM directory instead, and its chat template is applied when it has one.
 """
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,32 +19,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-
-# Words of the built-in environments' observations and actions, plus digits: every observation is
-# tokenised to known ids, while the policy still samples from the whole vocabulary.
-WORDS = (
-    "you are at row col on a frozen lake reach the goal G without falling into hole H "
-    "move left down right up reply with one word fell in reached invalid action turn turns "
-    "guess number between and it is higher lower correct out of game over S F P / "
-    "cell yes no ok stop start wall box push solved answer think , . : ?"
-).split()
-NUMBERS = [str(i) for i in range(0, 33)]
-
-
-def env_words() -> list[str]:
-    """The words of the environments that declare a ``VOCAB``, appended after the digits in this
-    order (a new environment goes last), so earlier ids stay as they were."""
-    from tasks.envs import sokoban, tool_use, word_answer
-
-    return [*word_answer.VOCAB, *sokoban.VOCAB, *tool_use.VOCAB]
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
-    "{% if m['role'] == 'assistant' %}<|end|> {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+from tasks.tiny_tokenizer import build_tokenizer, spell  # noqa: F401  (re-exported)
 
 
 class PolicySpec(BaseModel):
@@ -64,21 +38,6 @@ class PolicySpec(BaseModel):
     init_seed: int = Field(default=0, description="Seed of the random initialisation")
     max_context: int = Field(default=256, ge=8, description="Context limit in tokens")
     system_prompt: str | None = Field(default=None, description="Optional system message")
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The shipped word-level tokenizer with a compact chat template."""
-    vocab: dict[str, int] = {}
-    for tok in SPECIAL_TOKENS + WORDS + NUMBERS + env_words():
-        vocab.setdefault(tok, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
-        additional_special_tokens=SPECIAL_TOKENS[2:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def load_tokenizer(spec: PolicySpec) -> PreTrainedTokenizerFast:
@@ -139,19 +98,34 @@ def encode_first_turn(tokenizer, observation: str, system_prompt: str | None = N
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def encode_next_turn(tokenizer, observation: str, response_stopped: bool) -> list[int]:
-    """Ids appended after a response: the end-of-message token if the policy did not emit it, then
-    the delta the chat template adds for a new user message and the generation prompt."""
-    closing = [] if response_stopped else [tokenizer.eos_token_id]
+def assistant_suffix(tokenizer) -> list[int]:
+    """The ids the chat template writes after an assistant message's content (ChatML:
+    ``<|im_end|>`` ``\\n``): the common tail of two renderings that differ only in that content."""
+    a, b = (_render(tokenizer, [{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": c}], False) for c in ("y", "z"))
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return a[len(a) - n:]
+
+
+def encode_next_turn(tokenizer, observation: str, response_ids: list[int]) -> list[int]:
+    """Ids appended after a response (its sampled ``response_ids``), so the conversation stays
+    token for token what the chat template renders: the rest of the template's end of an assistant
+    message (all of it if the response did not stop on its first token), then the delta the
+    template adds for a new user message and the generation prompt. Without a template: the eos
+    token if the response did not stop, then the observation and a newline."""
+    last = response_ids[-1] if response_ids else None
     if tokenizer.chat_template:
+        suffix = assistant_suffix(tokenizer)
+        closing = suffix[1:] if suffix and last == suffix[0] else suffix
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         before = _render(tokenizer, base, False)
         after = _render(tokenizer, base + [{"role": "user", "content": observation}], True)
         if after[: len(before)] != before:
             raise ValueError("chat template is not prefix-stable; cannot encode turns incrementally")
-        delta = after[len(before):]
-        # The template closes the assistant message itself; keep only what follows its end token.
-        return closing + delta
+        return closing + after[len(before):]
+    closing = [] if last in stop_token_ids(tokenizer) else [tokenizer.eos_token_id]
     return closing + tokenizer.encode(observation + "\n", add_special_tokens=False)
 
 

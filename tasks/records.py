@@ -1,13 +1,16 @@
 """Typed records passed between tasks.
 
-KV caches travel as one float32 numpy array shaped ``[layers, 2 (k|v), kv_heads, tokens,
-head_dim]``: numpy arrays cross Dask as zero-copy frames, while bf16 or CUDA torch tensors do not
-serialise there (see LIBRARY-FACTS, "Moving large tensors between workers").
+The ``hf`` backend's KV caches travel as one float32 numpy array shaped ``[layers, 2 (k|v),
+kv_heads, tokens, head_dim]``: numpy arrays cross Dask as zero-copy frames, while Dask's torch
+serialiser goes through ``Tensor.numpy()`` and so fails on CUDA and bf16 tensors (dask/distributed
+issues #6111, #8001).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,26 +53,40 @@ class TurnSample:
     stopped: bool  # ended on a stop token
     context_full: bool  # hit the context limit
     decode_tokens_processed: int  # tokens decode ran through the model (not prefill's)
+    # the oldest weights of any forward pass of this turn, KV-only passes included: later turns
+    # read that KV, so a trajectory's staleness counts it (-1: no pass recorded)
+    oldest_version: int = -1
 
 
 @dataclass
-class DecodeOutput:
-    """The trajectory's cache after this turn, and the sample.
-
-    kv: [layers, 2, kv_heads, tokens, head_dim] for every token so far except ``pending_ids``
+class KVCache:
+    """The ``hf`` backend's cache handle: the KV of every token so far except ``pending_ids``
     (non-empty only when the context limit stopped decoding), which a next prefill reads first.
+
+    kv: [layers, 2, kv_heads, tokens, head_dim].
     """
 
     kv: np.ndarray
-    pending_ids: list[int]
-    sample: TurnSample
+    pending_ids: list[int] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
         return int(self.kv.shape[3])
 
     def __sizeof__(self) -> int:
-        return int(self.kv.nbytes) + 64 * (len(self.sample.token_ids) + 4)
+        return int(self.kv.nbytes) + 64 * (len(self.pending_ids) + 2)
+
+
+@dataclass
+class DecodeOutput:
+    """The trajectory's cache after this turn (opaque to the flows: a backend's handle, see
+    :mod:`tasks.inference`) and the sample."""
+
+    cache: Any
+    sample: TurnSample
+
+    def __sizeof__(self) -> int:
+        return sys.getsizeof(self.cache) + 64 * (len(self.sample.token_ids) + 4)
 
 
 @dataclass(frozen=True)
@@ -129,11 +146,18 @@ class Trajectory:
     evaluation: bool = False  # a greedy episode on a held-out seed: reported, never trained
     reward: float | None = None
     reward_details: dict = field(default_factory=dict)
+    # oldest weights of any forward pass, KV-only passes included (TurnSample.oldest_version)
+    forward_oldest_version: int | None = None
 
     @property
     def oldest_version(self) -> int:
+        """The oldest weights that touched this trajectory: of its sampled tokens, and of every
+        forward pass whose KV later tokens read."""
         gen = self.versions[self.loss_mask]
-        return int(gen.min()) if gen.size else 0
+        found = [int(gen.min())] if gen.size else []
+        if self.forward_oldest_version is not None and self.forward_oldest_version >= 0:
+            found.append(self.forward_oldest_version)
+        return min(found) if found else 0
 
 
 @dataclass

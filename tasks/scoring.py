@@ -8,7 +8,17 @@ from tasks.records import ScoreBatch, ScoreRequest
 
 
 class RewardClient(Protocol):
+    """What a reward backend offers (``resources.reward_backends.build_reward_client``)."""
+
     def score(self, requests: list[ScoreRequest]) -> ScoreBatch: ...
+
+    def check(self) -> None:
+        """Fail fast when the reward service is not reachable (before a run, not mid-run)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads."""
+        ...
 
 
 def score(client: RewardClient, requests: list[ScoreRequest]) -> ScoreBatch:

@@ -1,19 +1,52 @@
-"""The policy trainer: lives on the TRAINER worker, owns the weights and the optimiser."""
+"""The policy trainer: lives on the TRAINER worker, owns the weights and the optimiser.
+
+The flows see it only through the :class:`Trainer` protocol; :func:`policy_trainer` builds the
+shipped implementation from config.
+"""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+import warnings
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.losses import decoupled_ppo_loss
-from tasks.policy import save_policy
+from tasks.losses import LossFn, decoupled_ppo_loss
+from tasks.policy import PolicySpec, load_policy, save_policy
 from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What the flows need of a trainer on the TRAINER worker.
+
+    - ``version`` counts completed train steps: 0 for fresh weights, +1 per ``train_step``.
+    - ``train_step`` trains on a batch built for the current version (any other version is an
+      error) and returns stats stamped with the version after the step.
+    - ``export_weights`` may run on another thread during a train step; a snapshot never mixes
+      parameters from before and after a step, and its version is that of its parameters.
+    - ``save_checkpoint`` writes ``<run_dir>/policy/`` (a Hugging Face directory) and
+      ``<run_dir>/checkpoint.pt`` and returns the latter's path.
+    - ``load_checkpoint`` restores weights, optimiser, schedule, version and every RNG the
+      trainer draws from, so the next step equals that of an uninterrupted run; returns the
+      restored version.
+    """
+
+    version: int
+
+    def train_step(self, batch: TrainBatch) -> TrainStats: ...
+
+    def export_weights(self) -> WeightsSnapshot: ...
+
+    def save_checkpoint(self, run_dir: str) -> str: ...
+
+    def load_checkpoint(self, path: str) -> int: ...
 
 
 class TrainerHParams(BaseModel):
@@ -35,9 +68,16 @@ class TrainerHParams(BaseModel):
 
 
 class PolicyTrainer:
-    def __init__(self, model, tokenizer, hp: TrainerHParams, seed: int = 0):
+    """Decoupled PPO on a causal LM (implements :class:`Trainer`)."""
+
+    def __init__(self, model, tokenizer, hp: TrainerHParams, seed: int = 0,
+                 loss: LossFn | None = None):
         self.model, self.tokenizer, self.hp = model, tokenizer, hp
-        self.model.train()
+        self.loss = loss or decoupled_ppo_loss
+        # Eval mode throughout (gradients still flow): dropout would make the proximal and
+        # current log-probs noisy, so the PPO ratio and the IS weight would be off even at
+        # staleness 0, and the sampler's log-probs come from an eval-mode model too.
+        self.model.eval()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr,
                                            weight_decay=hp.weight_decay)
         self.version = 0  # read by the lr schedule, so set before it
@@ -46,6 +86,9 @@ class PolicyTrainer:
         # snapshot must never mix parameters from before and after an optimiser step
         self._lock = threading.Lock()
         torch.manual_seed(seed)
+        # The trainer's own stream: other code on the worker draws from the global ``random``,
+        # which would make the minibatch order, hence the run, irreproducible.
+        self._shuffle_rng = random.Random(seed)
 
     def _lr_factor(self, _: int) -> float:
         """Linear decay by policy version (so a resumed run continues the same schedule)."""
@@ -89,14 +132,14 @@ class PolicyTrainer:
         stats = []
         order = list(range(len(S)))
         for _ in range(self.hp.ppo_epochs):
-            random.shuffle(order)
+            self._shuffle_rng.shuffle(order)
             for mb in np.array_split(np.array(order), self.hp.minibatches):
                 if len(mb) == 0:
                     continue
                 idx = torch.from_numpy(mb)
                 logp, ent = self._logprobs(ids[idx], attn[idx])
-                out = decoupled_ppo_loss(logp, prox[idx], behav[idx], adv[idx], mask[idx],
-                                         self.hp.clip_eps, self.hp.tis_cap)
+                out = self.loss(logp, prox[idx], behav[idx], adv[idx], mask[idx],
+                                clip_eps=self.hp.clip_eps, tis_cap=self.hp.tis_cap)
                 m = mask[idx].float()
                 entropy = (ent * m).sum() / m.sum().clamp(min=1)
                 loss = out.loss - self.hp.entropy_coef * entropy
@@ -137,6 +180,7 @@ class PolicyTrainer:
             "scheduler": self.scheduler.state_dict(),
             "version": self.version, "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+            "shuffle_rng": self._shuffle_rng.getstate(),
         }, ckpt)
         return str(ckpt)
 
@@ -145,25 +189,38 @@ class PolicyTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
-        self.scheduler.step()  # re-evaluate the lr at the restored version
+        with warnings.catch_warnings():  # the lr depends on the version, not the step count
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()  # re-evaluate the lr at the restored version
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
+        if "shuffle_rng" in state:  # absent from checkpoints written before it existed
+            self._shuffle_rng.setstate(state["shuffle_rng"])
         return self.version
 
 
-def train_step(trainer: PolicyTrainer, batch: TrainBatch) -> TrainStats:
+def policy_trainer(policy: PolicySpec | dict, hparams: TrainerHParams | dict, seed: int = 0,
+                   loss: LossFn | None = None) -> PolicyTrainer:
+    """Build the trainer from config (a ``_component_`` target): its own copy of the policy."""
+    spec = policy if isinstance(policy, PolicySpec) else PolicySpec(**policy)
+    hp = hparams if isinstance(hparams, TrainerHParams) else TrainerHParams(**hparams)
+    model, tokenizer = load_policy(spec)
+    return PolicyTrainer(model, tokenizer, hp, seed=seed, loss=loss)
+
+
+def train_step(trainer: Trainer, batch: TrainBatch) -> TrainStats:
     return trainer.train_step(batch)
 
 
-def publish_weights(trainer: PolicyTrainer) -> WeightsSnapshot:
+def publish_weights(trainer: Trainer) -> WeightsSnapshot:
     return trainer.export_weights()
 
 
-def save_checkpoint(trainer: PolicyTrainer, run_dir: str) -> str:
+def save_checkpoint(trainer: Trainer, run_dir: str) -> str:
     return trainer.save_checkpoint(run_dir)
 
 
-def load_weights(engine, snapshot: WeightsSnapshot) -> int:
-    """Switch an inference engine to published weights (at its next safe point)."""
-    return engine.load_weights(snapshot.state, snapshot.version)
+def load_checkpoint(trainer: Trainer, path: str) -> int:
+    return trainer.load_checkpoint(path)
+

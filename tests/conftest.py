@@ -9,8 +9,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from resources.engine import InferenceEngine  # noqa: E402
-from tasks.policy import PolicySpec, load_policy  # noqa: E402
+from resources.engine import HFBackend, InferenceEngine  # noqa: E402
+from tasks.policy import PolicySpec, load_policy, stop_token_ids  # noqa: E402
 from tasks.records import EnvHandle, EnvObservation  # noqa: E402
 
 
@@ -25,6 +25,22 @@ def engine(policy):
     eng = InferenceEngine(policy[0])
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def make_backend(policy):
+    """``hf`` backends over the tiny policy: ``make_backend(stop_ids=[], max_context=256)``."""
+    made = []
+
+    def make(stop_ids=None, max_context=256, engine=None):
+        eng = engine or InferenceEngine(policy[0])
+        made.append(eng)
+        stops = stop_token_ids(policy[1]) if stop_ids is None else stop_ids
+        return HFBackend(eng, policy[1], stops, max_context)
+
+    yield make
+    for eng in made:
+        eng.close()
 
 
 @pytest.fixture

@@ -10,18 +10,12 @@ import numpy as np
 import pytest
 
 from flows.config import load_config
-from flows.train import make_cluster
+from flows.launch import make_cluster
 from resources.pools import Stage, Tag, demand
-from resources.worker import (
-    RollArcWorkerPlugin,
-    plain,
-    with_engine,
-    with_engine_tokenizer,
-    with_envs,
-)
-from tasks.env_tasks import env_reset
+from resources.worker import RollArcWorkerPlugin, plain, with_backend, with_envs
+from tasks.env_steps import env_reset
 from tasks.generation import decode, prefill, response_of
-from tasks.policy import kv_geometry, load_tokenizer, stop_token_ids
+from tasks.policy import kv_geometry, load_tokenizer
 from tasks.records import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -32,7 +26,7 @@ def cluster():
     cfg = load_config(overrides=["cluster.dashboard_port=0"])
     handle = make_cluster(cfg, None)
     handle.client.register_plugin(RollArcWorkerPlugin(policy=cfg.policy.model_dump(),
-                                                      trainer=cfg.trainer.hparams.model_dump()))
+                                                      hparams=cfg.trainer.hparams.model_dump()))
     yield cfg, handle
     handle.close()
 
@@ -62,18 +56,18 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
                         f"{np.random.randint(1 << 30)}", **kw)
 
     obs = sub(Stage.ENV_RESET, with_envs, env_reset, env_spec, 0, "kvtest.0", None, worker=env_w)
-    pre0 = sub(Stage.PREFILL, with_engine, prefill, None, obs, worker=pre_w)
-    dec0 = sub(Stage.DECODE, with_engine_tokenizer, decode, pre0, None, params=params,
-               stop_ids=stop_token_ids(tok), max_context=256, seed=0, worker=dec_w)
+    pre0 = sub(Stage.PREFILL, with_backend, prefill, None, obs, worker=pre_w)
+    dec0 = sub(Stage.DECODE, with_backend, decode, pre0, None, params=params, seed=0,
+               worker=dec_w)
     sample0 = sub(Stage.RESPONSE, plain, response_of, dec0, worker=dec_w).result()
     n_prompt = len(obs.result().input_ids)
     # decode ran exactly the tokens it sampled; prefill's were the prompt's
     assert sample0.decode_tokens_processed == len(sample0.token_ids)
     # second turn: the cache comes back from the decode worker to the prefill worker
-    pre1 = sub(Stage.PREFILL, with_engine, prefill, dec0, obs, worker=pre_w)
-    dec1 = sub(Stage.DECODE, with_engine_tokenizer, decode, pre1, dec0, params=params,
-               stop_ids=stop_token_ids(tok), max_context=256, seed=1, worker=dec_w)
-    dec1_tokens = c.submit(lambda d: d.n_tokens, dec1, workers=[dec_w], pure=False,
+    pre1 = sub(Stage.PREFILL, with_backend, prefill, dec0, obs, worker=pre_w)
+    dec1 = sub(Stage.DECODE, with_backend, decode, pre1, dec0, params=params, seed=1,
+               worker=dec_w)
+    dec1_tokens = c.submit(lambda d: d.cache.n_tokens, dec1, workers=[dec_w], pure=False,
                            resources=demand(Stage.RESPONSE)).result()
     n0 = n_prompt + len(sample0.token_ids)
     assert dec1_tokens == n0 + n_prompt + len(c.submit(

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import ConfigError, load_config
-from tasks.components import instantiate, resolve
+from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
+from flows.launch import start_reward_service
+from tasks.components import describe, instantiate, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "config").glob("*.yaml"))
@@ -22,8 +23,10 @@ def test_config_loads_and_components_resolve(path):
         env = instantiate(task.env)
         obs, info = env.reset(seed=1)
         assert isinstance(obs, str) and obs
-        assert callable(resolve(task.reward))
-        assert task.reward.startswith(("tasks.rewards.", "tasks.reward_models."))
+        assert callable(resolve(task.reward_fn))
+        assert task.reward_fn.startswith(("tasks.rewards.", "tasks.reward_models."))
+    for spec in (cfg.engine.backend, cfg.trainer.backend, cfg.trainer.loss):
+        assert callable(resolve(spec["_component_"]))
     assert cfg.effective_pools()
 
 
@@ -39,17 +42,22 @@ def test_config_loads_and_components_resolve(path):
     ("env_tasks.1.env.low=9", "env_tasks.1.env"),
     ("env_tasks.0.env.bogus_kwarg=1", "env_tasks.0.env"),
     ("env_tasks.0.env._component_=tasks.envs.nope.Env", "env_tasks.0.env"),
-    ("env_tasks.0.reward=tasks.rewards.missing", "env_tasks.0.reward"),
+    ("env_tasks.0.reward_fn=tasks.rewards.missing", "env_tasks.0.reward_fn"),
     ("cluster.pools.1.profile=B300", "cluster.pools.1.profile"),
     ("rollout.max_in_flight=4", "rollout.max_in_flight"),
     ("rollout.sampling.temperature=0.7", "trainer.hparams.temperature"),
     # an event must not reach code outside the reward modules, and the config says so at start
-    ("env_tasks.0.reward=os.system", "env_tasks.0.reward"),
+    ("env_tasks.0.reward_fn=os.system", "env_tasks.0.reward_fn"),
     ("reward.backend=aws", "reward.backend"),
-    ("reward.function_name=nope", "reward.function_name"),
-    ("env_tasks.0.reward_function=nope", "reward_function"),
-    ("reward.read_timeout_s=60", "reward.read_timeout_s"),
     ("reward.max_payload_bytes=7000000", "reward.max_payload_bytes"),
+    # renamed keys say what they are called now
+    ("env_tasks.0.reward=tasks.rewards.env_return", "env_tasks.0.reward_fn"),
+    ("env_tasks.0.reward_function=nope", "env_tasks.0.lambda_function"),
+    ("reward.function_name=nope", "reward.lambda_function"),
+    # staleness bound below what the admission window produces by design
+    ("rollout.max_staleness=1", "rollout.max_staleness"),
+    ("engine.backend._component_=resources.engine.nope", "engine.backend"),
+    ("trainer.loss._component_=tasks.losses.nope", "trainer.loss"),
     ("reward.endpoint_url=http://127.0.0.1:1", "reward.endpoint_url"),
     ("cluster.pools.4.role=env", "serverless"),
 ])
@@ -57,6 +65,57 @@ def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[override])
     assert key in str(exc.value)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("reward.lambda_function=nope", "reward.lambda_function"),
+    ("env_tasks.0.lambda_function=nope", "env_tasks.*.lambda_function"),
+    ("reward.read_timeout_s=60", "reward.read_timeout_s"),
+])
+def test_emulated_functions_are_checked_against_the_template_at_start(override, key):
+    # the deployment template is read when the emulation starts, not by every config load
+    cfg = load_config(overrides=[override])
+    with pytest.raises(ConfigError) as exc:
+        start_reward_service(cfg)
+    assert key in str(exc.value)
+
+
+def test_config_load_builds_no_environment(monkeypatch):
+    from tasks.envs import frozenlake, guess_number
+
+    def refuse(*a, **k):
+        raise AssertionError("an environment was constructed while loading the config")
+
+    monkeypatch.setattr(frozenlake.FrozenLakeText, "__init__", refuse)
+    monkeypatch.setattr(guess_number.GuessNumber, "__init__", refuse)
+    assert load_config().env_tasks
+
+
+def test_python_objects_as_components_and_a_callable_reward_needs_the_local_backend():
+    class MyEnv:  # defined here: no dotted path reaches it
+        def __init__(self, size: int = 2):
+            self.size = size
+
+    def my_reward(item):
+        return 1.0, {}
+
+    cfg = load_config(overrides=["reward.backend=local"])
+    cfg.env_tasks[0].env = {"_component_": MyEnv, "size": 3}
+    cfg.env_tasks[0].reward_fn = my_reward
+    cfg = validate(cfg)
+    assert cfg.env_tasks[0].env["_component_"] is MyEnv
+    assert reward_callables(cfg) == {describe(my_reward): my_reward}
+    assert "<python: tests.test_configs." in resolved_yaml(cfg)
+    cfg.env_tasks[0].env = {"_component_": MyEnv, "bogus": 1}
+    with pytest.raises(ConfigError, match="env_tasks.0.env"):
+        validate(cfg)
+    # the lambda backend cannot run a function that was never deployed: one line says why
+    cfg = load_config()
+    cfg.env_tasks[0].reward_fn = my_reward
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg and "env_tasks.0.reward_fn" in msg and "deploy" in msg
 
 
 def test_overrides_apply():

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import torch
 
+from resources.engine import HFBackend
 from tasks.generation import decode, prefill
 from tasks.policy import stop_token_ids
 from tasks.records import SamplingParams
@@ -27,11 +28,11 @@ def test_concurrent_requests_share_forward_passes_and_match_sequential(engine, p
     _, tok = policy
     prompts = [[3] + list(range(6, 6 + n)) + [4] for n in (2, 5, 9, 13, 3, 7, 11, 1)]
     params = SamplingParams(greedy=True, max_new_tokens=6)
-    stops = stop_token_ids(tok)
+    backend = HFBackend(engine, tok, stop_token_ids(tok), 256)
 
     def run(ids, i):
-        pre = prefill(engine, None, obs(ids))
-        return decode(engine, pre, None, tok, params, stops, 256, seed=i)
+        pre = prefill(backend, None, obs(ids))
+        return decode(backend, pre, None, params, seed=i)
 
     sequential = [run(p, i) for i, p in enumerate(prompts)]
     before = engine.stats.forward_passes
@@ -60,8 +61,9 @@ def test_weights_switch_at_safe_point_and_versions_are_recorded(engine, policy, 
     model, tok = policy
     state = {k: (v.detach().numpy() * 0.5).astype(np.float32) for k, v in model.state_dict().items()}
     assert engine.load_weights(state, version=7) == 7
-    pre = prefill(engine, None, obs([3, 6, 7, 4]))
-    out = decode(engine, pre, None, tok, SamplingParams(max_new_tokens=3), [], 256, seed=0)
+    backend = HFBackend(engine, tok, [], 256)
+    pre = prefill(backend, None, obs([3, 6, 7, 4]))
+    out = decode(backend, pre, None, SamplingParams(max_new_tokens=3), seed=0)
     assert pre.policy_version == 7
     assert out.sample.versions == [7] * len(out.sample.token_ids)
     assert engine.stats.weight_loads == 1

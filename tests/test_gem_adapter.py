@@ -16,6 +16,7 @@ if not callable(getattr(gem, "make", None)):
 
 from tasks.envs.base import TextEnv  # noqa: E402
 from tasks.envs.gem_adapter import GemEnv  # noqa: E402
+from tasks.tiny_tokenizer import build_tokenizer, spell  # noqa: E402
 
 HARD = "game:GuessTheNumber-v0-hard"  # 1..50 in 7 turns: binary search always wins
 EASY = "game:GuessTheNumber-v0-easy"  # 1..10 in 4 turns
@@ -221,6 +222,21 @@ def test_single_turn_reasoning_gym_task():
     env.reset(seed=1)
     _, reward, terminated, truncated, info = env.step("\\boxed{not a number}")
     assert terminated and not truncated and info["success"] is False and reward < 1.0
+
+
+def test_tiny_policy_can_read_and_write_a_gem_game():
+    """The tiny tokenizer reads GEM's observations and can spell its answer format."""
+    tok = build_tokenizer()
+    env = GemEnv(EASY)
+    obs, _ = env.reset(seed=0)
+    assert tok.unk_token_id not in tok.encode(obs, add_special_tokens=False)
+    sampled = spell(tok, "\\boxed{5}") + [tok.eos_token_id]  # a response stopped on <|end|>
+    action = tok.decode(sampled[:-1], skip_special_tokens=True)  # as generation decodes it
+    assert action == "\\boxed{5}"
+    obs, reward, terminated, truncated, info = env.step(action)
+    assert info["format_error"] is False and info["format_errors"] == 0 and info["turns"] == 1
+    assert reward != pytest.approx(FORMAT_PENALTY)
+    assert tok.unk_token_id not in tok.encode(obs, add_special_tokens=False)
 
 
 class _OddGemEnv(gem.Env):

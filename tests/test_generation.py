@@ -5,27 +5,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flows.config import EnvTaskConfig
+from flows.episode import RolloutRecord
+from flows.orchestration import staleness
 from tasks.generation import decode, prefill
-from tasks.records import SamplingParams
+from tasks.records import EnvHandle, EnvObservation, SamplingParams, WeightsSnapshot
 
 
-def test_two_turns_compute_each_token_once_and_match_teacher_forcing(engine, policy, obs):
+def test_two_turns_compute_each_token_once_and_match_teacher_forcing(make_backend, policy, obs):
     model, tok = policy
+    backend = make_backend(stop_ids=[])
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     turn0 = [3, 6, 7, 8, 4]
-    p0 = prefill(engine, None, obs(turn0))
+    p0 = prefill(backend, None, obs(turn0))
     assert (p0.n_past, p0.n_new) == (0, len(turn0))
-    d0 = decode(engine, p0, None, tok, params, [], 256, seed=1)
+    d0 = decode(backend, p0, None, params, seed=1)
     s0 = d0.sample
     # decode runs exactly the tokens it sampled; prefill ran exactly the turn's input
     assert s0.decode_tokens_processed == len(s0.token_ids)
-    assert d0.n_tokens == len(turn0) + len(s0.token_ids) and d0.pending_ids == []
+    assert d0.cache.n_tokens == len(turn0) + len(s0.token_ids) and d0.cache.pending_ids == []
     turn1 = [5, 3, 9, 10, 4]
-    p1 = prefill(engine, d0, obs(turn1))
-    assert p1.n_past == d0.n_tokens and p1.n_new == len(turn1)
-    d1 = decode(engine, p1, d0, tok, params, [], 256, seed=2)
+    p1 = prefill(backend, d0, obs(turn1))
+    assert p1.n_past == d0.cache.n_tokens and p1.n_new == len(turn1)
+    d1 = decode(backend, p1, d0, params, seed=2)
     seq = turn0 + s0.token_ids + turn1 + d1.sample.token_ids
-    assert d1.n_tokens == len(seq)
+    assert d1.cache.n_tokens == len(seq)
     # behaviour log-probs equal teacher-forced log-probs of the same weights
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
@@ -36,20 +40,44 @@ def test_two_turns_compute_each_token_once_and_match_teacher_forcing(engine, pol
         assert abs(float(logp[len(turn0) + i - 1, t]) - s0.logprobs[i]) < 1e-4
 
 
-def test_stop_token_ends_turn(engine, policy, obs):
+def test_stop_token_ends_turn(make_backend, policy, obs):
     _, tok = policy
-    p = prefill(engine, None, obs([3, 6, 4]))
     # any token is a stop token: the turn ends after one sample, decode runs nothing
-    out = decode(engine, p, None, tok, SamplingParams(max_new_tokens=5), list(range(len(tok))),
-                 256, seed=0)
+    backend = make_backend(stop_ids=list(range(len(tok))))
+    p = prefill(backend, None, obs([3, 6, 4]))
+    out = decode(backend, p, None, SamplingParams(max_new_tokens=5), seed=0)
     assert out.sample.stopped and len(out.sample.token_ids) == 1
-    assert out.sample.decode_tokens_processed == 1 and out.n_tokens == 4
+    assert out.sample.decode_tokens_processed == 1 and out.cache.n_tokens == 4
 
 
-def test_context_limit_marks_context_full(engine, policy, obs):
-    _, tok = policy
+def test_context_limit_marks_context_full(make_backend, obs):
+    backend = make_backend(stop_ids=[], max_context=24)
     ids = list(np.random.default_rng(0).integers(6, 50, size=20))
-    p = prefill(engine, None, obs([int(i) for i in ids]))
-    out = decode(engine, p, None, tok, SamplingParams(max_new_tokens=50), [], 24, seed=0)
-    assert out.sample.context_full and out.pending_ids == out.sample.token_ids[-1:]
-    assert out.n_tokens + 1 == 24
+    p = prefill(backend, None, obs([int(i) for i in ids]))
+    out = decode(backend, p, None, SamplingParams(max_new_tokens=50), seed=0)
+    assert out.sample.context_full and out.cache.pending_ids == out.sample.token_ids[-1:]
+    assert out.cache.n_tokens + 1 == 24
+
+
+def test_kv_only_forward_passes_count_for_staleness(make_backend, policy, obs):
+    """Prefill on v1 weights, decode on a worker still at v0, one token per turn: the token is
+    sampled from prefill's (v1) logits, but decode's pass that writes its KV runs on v0, and the
+    next turn reads that KV; the trajectory's oldest version must be 0."""
+    model, _ = policy
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    compute, bandwidth = make_backend(stop_ids=[]), make_backend(stop_ids=[])
+    compute.load_weights(WeightsSnapshot(1, state))
+    bandwidth.load_weights(WeightsSnapshot(0, state))
+    params = SamplingParams(max_new_tokens=1)
+    rec = RolloutRecord(0, "g", EnvTaskConfig(name="e", env={"_component_": "e.E"}), 0)
+    past = None
+    for turn, ids in enumerate(([3, 6, 7, 4], [5, 3, 9, 4])):
+        p = prefill(compute, past, obs(ids))
+        past = decode(bandwidth, p, past, params, seed=turn)
+        assert past.sample.versions == [1] and past.sample.oldest_version == 0
+        rec.record_turn(EnvObservation(EnvHandle("w", "e"), "", [], consumed_ids=ids,
+                                       sample=past.sample))
+    traj = rec.to_trajectory(EnvObservation(EnvHandle("w", "e"), "", []), False)
+    assert traj.versions[traj.loss_mask].tolist() == [1, 1]
+    assert traj.oldest_version == 0
+    assert staleness(1, traj) == 1

@@ -23,6 +23,7 @@ from resources.lambda_build import (
     RULE_ZIP_NAME,
     ArtefactTooLargeError,
     build_rule_function,
+    check_template_functions,
     function_specs,
     load_sam_template,
     main,
@@ -30,7 +31,7 @@ from resources.lambda_build import (
     pip_install_command,
 )
 
-HANDLER = "tasks.reward_handler.lambda_handler"
+HANDLER = "resources.lambda_handler.lambda_handler"
 
 
 @pytest.fixture(scope="module")
@@ -197,18 +198,42 @@ def test_dockerfile_matches_the_template(template):
     assert f'CMD ["{HANDLER}"]' in dockerfile
     command = template["Resources"]["ModelRewardFunction"]["Properties"]["ImageConfig"]["Command"]
     assert command == [HANDLER]
-    for rel in ("tasks/__init__.py", "tasks/components.py", "tasks/rewards.py",
-                "tasks/reward_models.py", "tasks/reward_handler.py", "tasks/envs/"):
-        assert rel in dockerfile
+    # the image holds what the zip holds, plus the model-based rewards
+    for rel in (*RULE_FUNCTION_FILES, "tasks/reward_models.py"):
+        assert rel in dockerfile or rel.startswith("tasks/envs/"), rel
+    assert "COPY tasks/envs/ " in dockerfile
+
+
+def test_check_template_functions_names_the_config_key(tmp_path):
+    check_template_functions(DEFAULT_TEMPLATE, ["rollarc-reward", "rollarc-reward-model"], 130)
+    check_template_functions(None, ["rollarc-reward"], 61)  # None: the project's template
+    with pytest.raises(ValueError, match=r"^reward\.lambda_function / env_tasks\.\*\."
+                                         r"lambda_function: 'nope' is not a function of"):
+        check_template_functions(DEFAULT_TEMPLATE, ["rollarc-reward", "nope"], 130)
+    # rollarc-reward-model's timeout is 120 s: a read timeout of 120 would re-send its calls
+    with pytest.raises(ValueError, match=r"^reward\.read_timeout_s \(120\.0\) must exceed the "
+                                         r"timeout of rollarc-reward-model \(120\.0 s\)"):
+        check_template_functions(DEFAULT_TEMPLATE, ["rollarc-reward-model"], 120.0)
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ValueError, match=r"^reward\.emulator\.template: cannot read .*missing"):
+        check_template_functions(missing, ["rollarc-reward"], 130)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("Resources:\n  F: {Type: AWS::Serverless::Function, Properties: {}}\n")
+    with pytest.raises(ValueError, match=r"^reward\.emulator\.template: cannot read .*Handler"):
+        check_template_functions(broken, ["F"], 130)
 
 
 # --- the build ----------------------------------------------------------------------------------
 
 
-def test_rule_function_files_are_relative_task_paths():
+def test_rule_function_files_are_relative_package_paths():
     assert len(set(RULE_FUNCTION_FILES)) == len(RULE_FUNCTION_FILES)
     for rel in RULE_FUNCTION_FILES:
-        assert not Path(rel).is_absolute() and rel.startswith("tasks/") and rel.endswith(".py")
+        assert not Path(rel).is_absolute() and rel.endswith(".py")
+        assert rel.startswith(("tasks/", "resources/")), rel
+    # the handler's module ships with its package, and nothing else of resources/ (boto3, dask)
+    assert {r for r in RULE_FUNCTION_FILES if r.startswith("resources/")} == {
+        "resources/__init__.py", "resources/lambda_handler.py"}
 
 
 def test_build_is_deterministic_and_holds_exactly_the_files(tmp_path):
@@ -317,8 +342,9 @@ def test_built_rule_function_runs_from_its_own_directory_without_torch(tmp_path)
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(result.directory)!r})\n"
-        "import tasks.reward_handler as h\n"
-        "assert h.__file__.startswith(sys.path[0]), h.__file__\n"
+        "import resources.lambda_handler as h\n"
+        "import tasks.reward_service as core\n"
+        "for m in (h, core): assert m.__file__.startswith(sys.path[0]), m.__file__\n"
         "class C: function_name='f'; memory_limit_in_mb=128; aws_request_id='r'\n"
         "C.invoked_function_arn='arn:aws:lambda:us-east-1:0:function:f'\n"
         f"out = h.lambda_handler(json.loads({_json.dumps(event)!r}), C())\n"

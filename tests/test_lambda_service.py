@@ -17,7 +17,7 @@ from resources.lambda_client import LambdaRewardClient
 from resources.lambda_emulator import FunctionSpec, LambdaEmulator
 from tasks.records import ScoreRequest
 
-RULE = FunctionSpec("rollarc-reward", "tasks.reward_handler.lambda_handler", 30, 1024,
+RULE = FunctionSpec("rollarc-reward", "resources.lambda_handler.lambda_handler", 30, 1024,
                     {"ROLLARC_REWARD_MODULES": "tasks.rewards"})
 CRASH = FunctionSpec("crash", "tests.lambda_handlers.crash", 5, 128)
 ECHO = FunctionSpec("echo", "tests.lambda_handlers.echo", 5, 128)
@@ -211,8 +211,8 @@ def test_template_functions_match_code_and_client_timeouts():
 
     cfg = load_config()
     specs = function_specs(load_sam_template(DEFAULT_TEMPLATE))
-    assert {cfg.reward.function_name} | {t.reward_function for t in cfg.env_tasks
-                                         if t.reward_function} <= set(specs)
+    assert {cfg.reward.lambda_function} | {t.lambda_function for t in cfg.env_tasks
+                                           if t.lambda_function} <= set(specs)
     for name, spec in specs.items():
         assert callable(resolve(spec["handler"])), name
         # a read timeout below the function's timeout re-sends long calls: the function runs twice

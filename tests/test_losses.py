@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from tasks.losses import decoupled_ppo_loss, group_advantages
+from tasks.losses import LossFn, decoupled_ppo_loss, group_advantages
 
 
 def test_loss_ignores_masked_tokens():
@@ -30,6 +32,14 @@ def test_importance_weight_is_truncated():
                              torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), tis_cap=2.0)
     assert out.tis_mean == pytest.approx(2.0)
     assert out.loss.item() == pytest.approx(-2.0)
+
+
+def test_decoupled_ppo_loss_is_a_loss_fn():
+    """The trainer calls any LossFn with clip_eps and tis_cap by keyword; the defaults stay."""
+    proto = list(inspect.signature(LossFn.__call__).parameters.values())[1:]  # without self
+    params = list(inspect.signature(decoupled_ppo_loss).parameters.values())
+    assert [(p.name, p.kind) for p in params] == [(p.name, p.kind) for p in proto]
+    assert (params[-2].default, params[-1].default) == (0.2, 2.0)
 
 
 def test_group_advantages():

@@ -102,9 +102,9 @@ def test_group_left_too_small_by_stale_drops_is_dropped_as_incomplete():
 def test_group_left_with_one_member_is_dropped_whole():
     c = GroupCollector()
     c.open_group("a", "e", 2)
-    c.add(_traj(0, "a", 1.0, [0]))
-    c.drop_member("a")
-    assert c.ready_groups == 0 and [t.traj_id for t in c.orphans] == ["0"]
+    assert c.add(_traj(0, "a", 1.0, [0])) == []
+    orphans = c.drop_member("a")
+    assert c.ready_groups == 0 and [t.traj_id for t in orphans] == ["0"]
 
 
 def test_router_prefers_affinity_then_least_loaded():

@@ -1,6 +1,6 @@
-"""Reward functions (rule-based verifiers, the embedding reward), the powertools handler tested the
-way the powertools docs recommend (a fake LambdaContext, EMF captured from stdout), and the
-``local`` backend."""
+"""Reward functions (rule-based verifiers, the embedding reward), the powertools handler
+(``resources.lambda_handler``) tested the way the powertools docs recommend (a fake LambdaContext,
+EMF captured from stdout), and the ``local`` backend."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def handler_module(capfd):
 
     from aws_lambda_powertools.metrics.provider import cold_start
 
-    import tasks.reward_handler as mod
+    import resources.lambda_handler as mod
 
     # the Logger's handler keeps the stdout of the moment it was created, which may be an earlier
     # test's capture: point it at the process's stdout, which capfd captures
@@ -115,13 +115,18 @@ def test_handler_scores_per_item_and_emits_emf(handler_module, capfd):
     assert r["1"]["score"] == 0.0
     # a bad item fails alone, and an event cannot reach code outside the reward modules
     assert r["2"]["score"] is None and "outside the allowed modules" in r["2"]["error"]
-    blobs = _emf(_out(capfd))
+    printed = _out(capfd)
+    blobs = _emf(printed)
     merged = {k: v for b in blobs for k, v in b.items() if k != "_aws"}
     assert merged["ColdStart"] == [1.0]
     assert merged["ScoredItems"] == [2.0] and merged["FailedItems"] == [1.0]
     assert merged["Score"] == [1.0, 0.0] and merged["service"] == "rollarc-reward"
     names = {m["Name"] for b in blobs for d in b["_aws"]["CloudWatchMetrics"] for m in d["Metrics"]}
     assert {"HandlerLatency", "BatchSize"} <= names
+    # the core's per-item warning is one of the handler's JSON lines, with the invocation's keys
+    warned = [json.loads(line) for line in printed.splitlines() if '"item failed"' in line]
+    assert [(w["level"], w["id"], w["function_name"]) for w in warned] == [
+        ("WARNING", "2", "rollarc-reward")]
     # second call in the same sandbox: warm
     handler_module.lambda_handler(event, FakeLambdaContext())
     assert "ColdStart" not in {k for b in _emf(_out(capfd)) for k in b}

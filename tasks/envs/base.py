@@ -3,6 +3,10 @@
 
 An environment parses the policy's raw text itself: an action it cannot parse costs a format
 penalty and the turn, and never raises. ``info`` of the final step carries ``success``.
+
+Optionally, a static or class method ``check_config(**kwargs)`` checks constructor arguments
+without building an instance: the config loader calls it, so a bad value fails at start-up while
+environments are only ever built on the workers.
 """
 
 from __future__ import annotations

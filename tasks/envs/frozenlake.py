@@ -40,12 +40,8 @@ class FrozenLakeText:
                  format_penalty: float = 0.1,
                  observation: Literal["position", "cell", "grid"] = "position",
                  action_format: ActionFormat = "compact", size: int = 4, p_frozen: float = 0.8):
-        if action_format not in ("compact", "tagged"):
-            raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
-        if map_name == "random" and not (2 <= size <= 12 and 0 < p_frozen <= 1):
-            raise ValueError("a random map needs 2 <= size <= 12 and 0 < p_frozen <= 1")
-        if map_name == "random" and observation != "grid":
-            raise ValueError("a random map needs observation: grid (the agent must see the map)")
+        self.check_config(map_name=map_name, observation=observation,
+                          action_format=action_format, size=size, p_frozen=p_frozen)
         self.map_name, self.is_slippery, self.size, self.p_frozen = map_name, is_slippery, size, p_frozen
         self._make(None if map_name == "random" else map_name, None)
         self.max_turns = max_turns
@@ -55,6 +51,18 @@ class FrozenLakeText:
         self._state = 0
         self._turn = 0
         self._format_errors = 0
+
+    @staticmethod
+    def check_config(map_name: str = "4x4", observation: str = "position",
+                     action_format: str = "compact", size: int = 4, p_frozen: float = 0.8,
+                     **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
+        if action_format not in ("compact", "tagged"):
+            raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
+        if map_name == "random" and not (2 <= size <= 12 and 0 < p_frozen <= 1):
+            raise ValueError("a random map needs 2 <= size <= 12 and 0 < p_frozen <= 1")
+        if map_name == "random" and observation != "grid":
+            raise ValueError("a random map needs observation: grid (the agent must see the map)")
 
     def _describe(self) -> str:
         row, col = divmod(self._state, self.ncol)

@@ -26,10 +26,7 @@ def parse_guess(text: str, action_format: Literal["compact", "tagged"] = "compac
 class GuessNumber:
     def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1,
                  action_format: Literal["compact", "tagged"] = "compact"):
-        if low >= high:
-            raise ValueError("low must be below high")
-        if action_format not in ("compact", "tagged"):
-            raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
+        self.check_config(low=low, high=high, action_format=action_format)
         self.action_format = action_format
         self.low, self.high = low, high
         self.max_turns = max_turns
@@ -37,6 +34,14 @@ class GuessNumber:
         self._secret = low
         self._turn = 0
         self._format_errors = 0
+
+    @staticmethod
+    def check_config(low: int = 1, high: int = 8, action_format: str = "compact", **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
+        if low >= high:
+            raise ValueError("low must be below high")
+        if action_format not in ("compact", "tagged"):
+            raise ValueError(f"action_format must be compact or tagged, got {action_format!r}")
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         self._secret = random.Random(seed).randint(self.low, self.high)

@@ -50,7 +50,7 @@ MIN_SIDE, MAX_SIDE = 4, 12
 INTRO = "sokoban : push every box B onto a target T . move left down right up"
 STATUS = {"moved": "moved", "blocked": "blocked", "invalid": "invalid action", "solved": "solved"}
 CELL_WORDS = ("W", "F", "P", "B", "T", "X", "Q")
-# Every word an observation can contain; the project appends these to the tokenizer's words.
+# Every word an observation can contain; each is one whole-word token of tasks.tiny_tokenizer.
 VOCAB: tuple[str, ...] = tuple(dict.fromkeys(
     INTRO.split() + " ".join(STATUS.values()).split() + list(CELL_WORDS) + ["/", "."]))
 

@@ -47,8 +47,8 @@ COMPACT_HINT = "call the calculator with calc then reply answer ."
 TAGGED_HINT = ("call the calculator as <tool>calc(expression)</tool> "
                "then reply <answer>number</answer> .")
 
-# Every word an observation can hold besides numbers and punctuation; the tiny policy's word-level
-# tokenizer needs them to see observations as known tokens.
+# Every word an observation can hold besides numbers and punctuation; the tiny policy's tokenizer
+# (tasks.tiny_tokenizer) has each as one whole-word token, which is quick to learn.
 VOCAB: tuple[str, ...] = tuple(dict.fromkeys((
     "tool use answer the question call calculator with calc then reply as "
     "what is plus minus times divided by "

@@ -6,10 +6,53 @@ environment's state is never rebuilt by replaying seeds and past actions.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
+from tasks.components import instantiate
 from tasks.policy import encode_first_turn, encode_next_turn
 from tasks.records import EnvHandle, EnvObservation, TurnSample
+
+
+class EnvRegistry:
+    """Environment instances of one worker, by id, with a live-instance count."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._envs: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.created = 0
+        self.closed = 0
+
+    def create(self, spec: dict, instance_id: str) -> Any:
+        env = instantiate(spec)
+        with self._lock:
+            if instance_id in self._envs:
+                raise KeyError(f"environment {instance_id} already exists on {self.address}")
+            self._envs[instance_id] = env
+            self.created += 1
+        return env
+
+    def get(self, instance_id: str) -> Any:
+        try:
+            return self._envs[instance_id]
+        except KeyError:
+            raise KeyError(f"environment {instance_id} is not live on {self.address}") from None
+
+    def close(self, instance_id: str) -> bool:
+        with self._lock:
+            env = self._envs.pop(instance_id, None)
+            if env is not None:
+                self.closed += 1
+        if env is None:
+            return False
+        env.close()
+        return True
+
+    @property
+    def live(self) -> int:
+        return len(self._envs)
 
 
 def env_reset(registry, tokenizer, env_spec: dict, seed: int, instance_id: str,
@@ -39,7 +82,7 @@ def env_step(registry, tokenizer, prev: EnvObservation, sample: TurnSample) -> E
         registry.close(handle.instance_id)
         input_ids: list[int] = []
     else:
-        input_ids = encode_next_turn(tokenizer, text, sample.stopped)
+        input_ids = encode_next_turn(tokenizer, text, sample.token_ids)
     return EnvObservation(
         handle=handle, text=text, input_ids=input_ids, reward=float(reward),
         terminated=bool(terminated), truncated=bool(truncated), info=dict(info), sample=sample,

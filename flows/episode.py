@@ -1,0 +1,114 @@
+"""One trajectory's record while it rolls out, and the requests that score it. Pure: the Dask
+flow (:mod:`flows.rollout`, :mod:`flows.reward_dispatch`) and the reference loop
+(:mod:`flows.reference`) share it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tasks.components import describe
+from tasks.records import EnvHandle, EnvObservation, SamplingParams, ScoreRequest, Trajectory
+
+if TYPE_CHECKING:
+    from flows.config import EnvTaskConfig, TrainConfig
+
+
+def sampling_params(cfg: TrainConfig) -> dict[str, SamplingParams]:
+    """Per env task: its sampling settings (the task's own, else rollout.sampling)."""
+    return {t.name: SamplingParams(temperature=sc.temperature, max_new_tokens=sc.max_new_tokens,
+                                   greedy=sc.greedy)
+            for t in cfg.env_tasks for sc in [t.sampling or cfg.rollout.sampling]}
+
+
+@dataclass
+class RolloutRecord:
+    """A trajectory while it rolls out: where it lives, and its turns so far."""
+
+    traj_id: int
+    group_id: str
+    env_task: EnvTaskConfig
+    seed: int
+    eval_round: int | None = None  # set for evaluation episodes (reported, never trained)
+    attempt: int = 0
+    turn: int = 0
+    env_worker: str | None = None
+    decode_worker: str | None = None
+    prefill_worker: str | None = None
+    last_decode: Any = None  # the DecodeOutput future of the last turn (the cache so far)
+    tokens: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    forward_oldest: int | None = None
+    env_rewards: list[float] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    env_step_s: float = 0.0
+    handle: EnvHandle | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        return self.eval_round is not None
+
+    def reset_record(self) -> None:
+        self.turn = 0
+        self.last_decode = None
+        self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
+        self.forward_oldest = None
+        self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None
+
+    def record_turn(self, obs: EnvObservation) -> None:
+        """Append one finished turn: the tokens read before the action, then the action."""
+        s = obs.sample
+        self.handle = obs.handle
+        self.tokens += obs.consumed_ids + s.token_ids
+        self.mask += [False] * len(obs.consumed_ids) + [True] * len(s.token_ids)
+        self.logprobs += [0.0] * len(obs.consumed_ids) + s.logprobs
+        self.versions += [-1] * len(obs.consumed_ids) + s.versions
+        if s.oldest_version >= 0:
+            self.forward_oldest = (s.oldest_version if self.forward_oldest is None
+                                   else min(self.forward_oldest, s.oldest_version))
+        self.env_rewards.append(obs.reward)
+        self.responses.append(s.text)
+        self.env_step_s += obs.step_seconds
+        self.turn += 1
+
+    def to_trajectory(self, last: EnvObservation, context_limited: bool) -> Trajectory:
+        return Trajectory(
+            traj_id=str(self.traj_id), group_id=self.group_id, env_name=self.env_task.name,
+            seed=self.seed, token_ids=np.asarray(self.tokens, dtype=np.int64),
+            loss_mask=np.asarray(self.mask, dtype=bool),
+            behaviour_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int64), env_rewards=self.env_rewards,
+            responses=self.responses, info=dict(last.info), num_turns=self.turn,
+            truncated=context_limited or last.truncated, context_truncated=context_limited,
+            attempt=self.attempt, success=bool(last.info.get("success", False)),
+            format_errors=int(last.info.get("format_errors", 0)), env_step_s=self.env_step_s,
+            evaluation=self.evaluation, forward_oldest_version=self.forward_oldest,
+        )
+
+
+def turn_ends(rec: RolloutRecord, obs: EnvObservation, max_new_tokens: int,
+              max_context: int) -> tuple[bool, bool]:
+    """(episode over, cut by the context limit) after ``obs``: the context is full, or the next
+    turn's observation and response could not fit."""
+    context_limited = obs.sample.context_full or (
+        not obs.done and len(rec.tokens) + len(obs.input_ids) + max_new_tokens > max_context)
+    return obs.done or context_limited, context_limited
+
+
+def reward_fn_name(reward_fn) -> str:
+    """What a ScoreRequest names the reward by: its dotted path, or a Python callable's
+    ``module.qualname`` (looked up in the ``local`` backend's functions)."""
+    return describe(reward_fn)
+
+
+def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str],
+                   run_id: str) -> list[ScoreRequest]:
+    """JSON-able scoring requests; the idempotency key names the run, trajectory and attempt."""
+    return [ScoreRequest(id=str(t.traj_id), idempotency_key=f"{run_id}/{t.traj_id}/{t.attempt}",
+                         reward_fn=reward_fns[t.env_name],
+                         env_name=t.env_name, env_rewards=t.env_rewards, responses=t.responses,
+                         info=t.info) for t in trajs]

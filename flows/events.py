@@ -1,0 +1,72 @@
+"""The driver's event loop: futures in flight, each tagged with what it is, gathered in batches.
+
+Every future the run waits on carries a :class:`FutureKind`; the run keeps a handler per kind.
+A batch of finished futures is gathered in one call (a round trip per worker, not per future);
+a failed or lost future comes back with no result and its own status, for its handler to judge.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from distributed import Client, Future, as_completed
+
+logger = logging.getLogger(__name__)
+
+
+class FutureKind(Enum):
+    TURN = "turn"  # a turn's env_step: the trajectory's next observation
+    SCORE = "score"  # a burst of trajectories scored by a reward function
+    TRAIN = "train"  # a train step
+    LOAD_WEIGHTS = "load_weights"  # an inference worker switched to published weights
+
+
+@dataclass
+class Event:
+    kind: FutureKind
+    future: Future
+    result: Any  # None when the future failed or its result was lost
+
+    @property
+    def ok(self) -> bool:
+        return self.future.status == "finished" and self.result is not None
+
+
+class EventLoop:
+    def __init__(self, client: Client):
+        self.client = client
+        self._ac = as_completed(raise_errors=False)
+        self._kinds: dict[str, FutureKind] = {}
+
+    def track(self, fut: Future, kind: FutureKind) -> Future:
+        self._kinds[fut.key] = kind
+        self._ac.add(fut)
+        return fut
+
+    def empty(self) -> bool:
+        return self._ac.is_empty()
+
+    def in_flight(self, kind: FutureKind) -> int:
+        return sum(k is kind for k in self._kinds.values())
+
+    def next_batch(self) -> list[Event]:
+        """Block until at least one future finished; every finished one, with its result."""
+        batch = self._ac.next_batch(block=True)
+        results = self._gather(batch)
+        return [Event(self._kinds.pop(f.key), f, results.get(f.key)) for f in batch]
+
+    def _gather(self, batch: list[Future]) -> dict:
+        done = [f for f in batch if f.status == "finished"]
+        try:
+            return dict(zip((f.key for f in done), self.client.gather(done), strict=True))
+        except Exception:  # a result was lost in between (worker died): fetch one by one
+            out = {}
+            for f in done:
+                try:
+                    out[f.key] = f.result(timeout=60)
+                except Exception:
+                    logger.warning("result of %s lost", f.key)
+            return out

@@ -1,0 +1,156 @@
+"""Reward dispatch: finished trajectories go to their reward function in bursts, on the
+SERVERLESS pool, and come back scored or dropped with the reason.
+
+One ``score`` task per Lambda function and burst; the reward client on that worker packs the
+burst into invocations and fans them out itself. Every call the clients made is kept in
+:class:`RewardStats`. A reward service that fails every call would otherwise spin the run
+forever: a streak of failures longer than a few batches ends the run loudly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from distributed import Client, Future
+
+from flows.config import TrainConfig
+from flows.episode import reward_fn_name, score_requests
+from flows.lifecycle import DropReason, TrajectoryLedger, TrajState
+from flows.orchestration import Router
+from resources.pools import Stage, Tag, demand
+from resources.worker import with_reward_client
+from tasks.records import InvocationRecord, ScoreBatch, Trajectory
+from tasks.stages import Stages
+
+
+class RewardServiceFailing(RuntimeError):
+    pass
+
+
+@dataclass
+class RewardStats:
+    """Every reward-function call of the run, from the clients' records."""
+
+    calls: list[InvocationRecord] = field(default_factory=list)
+    deduplicated: int = 0
+
+    def add(self, batch: ScoreBatch) -> None:
+        self.calls.extend(batch.invocations)
+        self.deduplicated += batch.deduplicated
+
+    def summary(self) -> dict:
+        c = self.calls
+        reached = [r for r in c if r.status in ("ok", "function_error", "bad_event")]
+        lat = [r.latency_s * 1000 for r in c]
+        init = [r.init_ms for r in c if r.init_ms is not None]
+        return {
+            "invocations": len(c),
+            "trajectories_sent": sum(r.batch_size for r in reached),
+            "mean_batch": float(np.mean([r.batch_size for r in reached])) if reached else 0.0,
+            "latency_ms_p50": float(np.percentile(lat, 50)) if lat else 0.0,
+            "latency_ms_p99": float(np.percentile(lat, 99)) if lat else 0.0,
+            "sdk_retries": sum(r.sdk_retries for r in c),
+            "throttles": sum(r.throttles for r in c),
+            "client_retries": sum(r.attempt > 0 for r in c),
+            "function_errors": sum(r.status == "function_error" for r in c),
+            "cold_starts": len(init),
+            "init_ms_mean": float(np.mean(init)) if init else 0.0,
+            "statuses": dict(Counter(r.status for r in c)),
+            "deduplicated": self.deduplicated,
+        }
+
+
+@dataclass
+class ScoreOutcome:
+    scored: list[Trajectory]  # reward set, now in_group
+    dropped: list[Trajectory]  # dropped with their reason (their groups lost a member)
+
+
+class RewardDispatcher:
+    def __init__(self, client: Client, cfg: TrainConfig, router: Router,
+                 ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int):
+        self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
+        self.run_id = run_id
+        self.reward_fns = {t.name: reward_fn_name(t.reward_fn) for t in cfg.env_tasks}
+        self.lambda_function = {t.name: t.lambda_function or cfg.reward.lambda_function
+                                for t in cfg.env_tasks}
+        # one score task carries what the client can send at once; it fans the burst out itself
+        self.score_task_max = cfg.reward.batch_max * cfg.reward.concurrency
+        self.stats = RewardStats()
+        self.failure_streak = 0
+        self.max_failure_streak = 4 * batch_trajectories
+        self.score_tasks = 0
+        self._pending: list[Trajectory] = []
+        self._scoring: dict[str, list[Trajectory]] = {}
+
+    def queue(self, traj: Trajectory) -> None:
+        """A finished training trajectory (awaiting_score) waits for the next flush."""
+        self._pending.append(traj)
+
+    def flush(self) -> list[Future]:
+        """Submit the waiting trajectories: one score task per function and burst."""
+        by_function: dict[str, list[Trajectory]] = defaultdict(list)
+        for t in self._pending:
+            by_function[self.lambda_function[t.env_name]].append(t)
+        self._pending = []
+        futures = []
+        for function, trajs in by_function.items():
+            for i in range(0, len(trajs), self.score_task_max):
+                batch = trajs[i: i + self.score_task_max]
+                fut = self.client.submit(
+                    with_reward_client, self.stages.score, function,
+                    score_requests(batch, self.reward_fns, self.run_id),
+                    key=f"{Stage.SCORE}-{self.score_tasks}",
+                    workers=[self.router.choose(Tag.SERVERLESS)], pure=False,
+                    resources=demand(Stage.SCORE))
+                self.score_tasks += 1
+                self._scoring[fut.key] = batch
+                for t in batch:
+                    self.ledger.transition(int(t.traj_id), TrajState.SCORING)
+                futures.append(fut)
+        return futures
+
+    def on_scored(self, fut: Future, result: ScoreBatch | None) -> ScoreOutcome:
+        """A score task ended: set each trajectory's reward, or drop it with the reason."""
+        batch = self._scoring.pop(fut.key)
+        if fut.status == "error":
+            results = [None] * len(batch)
+            err = f"{DropReason.REWARD_TASK_ERROR}: {fut.exception()!r}"
+        elif result is None:  # the result was lost with its worker
+            results, err = [None] * len(batch), f"{DropReason.REWARD_TASK_LOST}: result lost"
+        else:
+            self.stats.add(result)
+            results, err = result.results, None
+        out = ScoreOutcome([], [])
+        for traj, res in zip(batch, results, strict=True):
+            tid = int(traj.traj_id)
+            if res is None or res.score is None:
+                detail = (res.error if res is not None else err) or "reward_error"
+                self.failure_streak += 1
+                self.ledger.drop(tid, DropReason.of_reward_error(detail), detail)
+                out.dropped.append(traj)
+                if self.failure_streak >= self.max_failure_streak:
+                    raise RewardServiceFailing(
+                        f"reward scoring failed for the last {self.failure_streak} "
+                        f"trajectories, the last with: {detail}")
+            else:
+                self.failure_streak = 0
+                traj.reward, traj.reward_details = float(res.score), res.details
+                self.ledger.transition(tid, TrajState.IN_GROUP)
+                out.scored.append(traj)
+        return out
+
+    def metrics(self) -> dict:
+        r = self.stats.summary()
+        keys = ("invocations", "mean_batch", "latency_ms_p50", "latency_ms_p99", "throttles",
+                "sdk_retries", "function_errors", "cold_starts")
+        return {f"reward/{k}": r[k] for k in keys} | {"reward/lost": self.lost_total()}
+
+    def lost(self) -> dict[str, int]:
+        return {str(k): v for k, v in self.ledger.training.dropped.items()
+                if k.value.startswith("reward_")}
+
+    def lost_total(self) -> int:
+        return sum(self.lost().values())

@@ -1,0 +1,57 @@
+"""The trainer as the driver sees it: train steps, weight publication and loading, save, resume.
+
+The trainer lives on the TRAINER worker (:class:`tasks.trainer.Trainer`, built there by the
+worker plugin); inference backends live on the inference workers. Publishing weights is one task
+on the trainer's worker; each inference worker then loads the snapshot worker to worker (the
+driver never holds the weights), and each backend switches at its next safe point.
+"""
+
+from __future__ import annotations
+
+from distributed import Client, Future
+
+from resources.cluster import ClusterHandle
+from resources.pools import Stage, Tag, demand
+from resources.worker import with_backend, with_trainer
+from tasks.records import TrainBatch
+from tasks.stages import Stages
+
+
+class TrainerHandle:
+    def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages):
+        self.client, self.stages = client, stages
+        self.worker = cluster.workers_with(Tag.TRAINER)[0]
+        compute = set(cluster.workers_with(Tag.GPU_COMPUTE))
+        # every inference worker, with the tag its weight load takes a slot of
+        self.inference_workers = {
+            w: (Tag.GPU_COMPUTE if w in compute else Tag.GPU_BANDWIDTH)
+            for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
+
+    def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
+        return self.client.submit(with_trainer, fn, *args, key=key, workers=[self.worker],
+                                  pure=False, resources=demand(stage))
+
+    def train(self, batch: TrainBatch) -> Future:
+        """One train step on a batch cut at ``batch.policy_version``."""
+        return self._on_trainer(Stage.TRAIN_STEP, self.stages.train_step, batch,
+                                key=f"{Stage.TRAIN_STEP}-{batch.policy_version}")
+
+    def sync_weights(self, version: int) -> list[Future]:
+        """Publish the trainer's weights and load them on every inference worker."""
+        snap = self._on_trainer(Stage.PUBLISH_WEIGHTS, self.stages.publish_weights,
+                                key=f"{Stage.PUBLISH_WEIGHTS}-{version}")
+        return [self.client.submit(with_backend, self.stages.load_weights, snap,
+                                   key=f"{Stage.LOAD_WEIGHTS}-{version}-{i}", workers=[w],
+                                   pure=False, allow_other_workers=False,
+                                   resources=demand(Stage.LOAD_WEIGHTS, tag))
+                for i, (w, tag) in enumerate(self.inference_workers.items())]
+
+    def resume(self, checkpoint: str) -> int:
+        """Restore the trainer from a checkpoint; the version it resumes at."""
+        return self._on_trainer(Stage.TRAIN_STEP, self.stages.load_checkpoint, checkpoint,
+                                key="resume-0").result()
+
+    def save(self, run_dir: str, version: int) -> str:
+        """The final policy (Hugging Face directory) and a resumable checkpoint."""
+        return self._on_trainer(Stage.SAVE_CHECKPOINT, self.stages.save_checkpoint, run_dir,
+                                key=f"{Stage.SAVE_CHECKPOINT}-{version}").result()

@@ -1,0 +1,97 @@
+"""The inference-backend seam: what one turn of generation needs from an engine.
+
+A backend lives on an inference worker (one per worker process, built by
+:class:`resources.worker.RollArcWorkerPlugin` from ``engine.backend``, a ``_component_`` called
+as ``backend(policy=PolicySpec, max_batch=int)``). The flows never look inside what it returns:
+a trajectory's cache is an *opaque handle* that the flows only pass from one turn's tasks to the
+next, as a Dask future, so it moves worker to worker when the router puts prefill and decode on
+different pools.
+
+One turn is two calls, each its own Dask task on its own pool::
+
+    prefilled = backend.prefill(cache, new_ids)             # GPU_COMPUTE: reads new tokens
+    turn = backend.decode(prefilled, cache, params, seed)   # GPU_BANDWIDTH: samples a response
+    turn.cache   -> the next turn's ``cache`` (covers every token so far)
+    turn.sample  -> TurnSample: token ids, behaviour log-probs, versions, text, stop flags
+
+Contract:
+
+- ``prefill`` runs only ``new_ids`` after what ``cache`` already covers (``None``: nothing yet)
+  and returns a picklable record; ``decode`` starts from it, so no token is computed twice.
+- ``TurnSample.versions[i]`` is the weights version whose forward pass sampled token ``i``;
+  ``TurnSample.oldest_version`` is the oldest version of *any* forward pass of the turn,
+  KV-only ones included (prefill, and decode passes that only extend the cache), because later
+  turns read that KV: staleness counts it.
+- ``load_weights`` switches at a safe point (between forward passes), never to an older version,
+  and returns the version in use.
+- Returned records hold CPU numpy arrays or plain Python, never CUDA or bf16 tensors (Dask's
+  torch serialiser handles neither).
+
+The ``hf`` backend (:class:`resources.engine.HFBackend`, transformers on CPU or GPU) returns the
+KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits, and the cache handle is
+a :class:`tasks.records.KVCache` that Dask moves between workers.
+
+How a vLLM backend maps onto this (``vllm`` extra; see vLLM's ``docs/features/disagg_prefill.md``
+and ``nixl_connector_usage.md``): each inference worker owns one ``vllm.LLM`` (or ``AsyncLLM``)
+started with ``kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector",
+kv_role="kv_both")``, prefix caching on, and a worker extension for weight loading.
+
+- ``prefill(cache, new_ids)``: ``generate(TokensPrompt(prompt_token_ids=all_ids),
+  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))``
+  where ``all_ids`` is the conversation so far (kept in the cache handle: token ids, not
+  tensors) plus ``new_ids``; prefix caching makes the already-seen prefix free. It returns the
+  small ``kv_transfer_params`` dict (remote engine id, block ids, host/port) and the first
+  sampled token with its log-prob: the KV stays in the prefill GPU's memory and goes GPU to GPU
+  over NIXL/UCX when decode asks for it, never through Dask.
+- ``decode(prefilled, cache, params, seed)``: ``generate`` of the same prompt with
+  ``SamplingParams(temperature, max_tokens, seed, logprobs=0, stop_token_ids,
+  logprobs_mode="processed_logprobs", extra_args={"kv_transfer_params": prefilled's})``; the
+  decode engine pulls the KV blocks, continues, and keeps them in its prefix cache for the next
+  turn (the router keeps a trajectory's decodes on one worker). The new cache handle is the
+  token ids plus the worker that holds the blocks; ``oldest_version`` comes from the
+  ``weight_version`` of both engines.
+- ``load_weights(snapshot)``: vLLM's weight-transfer API (``update_weights``) or
+  ``collective_rpc`` into the worker extension's ``model_runner.model.load_weights``, then
+  ``reset_prefix_cache()``; ``pause_generation(mode="keep")`` gives the safe point.
+- ``stats()``: the engine's scheduler stats (running and waiting requests, KV usage).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from tasks.records import DecodeOutput, SamplingParams, WeightsSnapshot
+
+# What prefill returns and decode reads: backend-defined, picklable, opaque to the flows.
+Prefilled = Any
+# A trajectory's cache after a turn (``DecodeOutput.cache``): backend-defined, opaque.
+CacheHandle = Any
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """One worker's inference engine (see the module docstring for the contract)."""
+
+    @property
+    def version(self) -> int:
+        """Weights version in use (-1 before the first load)."""
+        ...
+
+    def prefill(self, cache: CacheHandle | None, new_ids: list[int]) -> Prefilled:
+        """Read ``new_ids`` after ``cache``; what ``decode`` starts from."""
+        ...
+
+    def decode(self, prefilled: Prefilled, cache: CacheHandle | None, params: SamplingParams,
+               seed: int) -> DecodeOutput:
+        """Sample one response; the output's ``cache`` covers the whole conversation so far."""
+        ...
+
+    def load_weights(self, snapshot: WeightsSnapshot) -> int:
+        """Switch to published weights at the next safe point; the version in use after."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for reports (forward passes, batch sizes, weight loads, ...)."""
+        ...
+
+    def close(self) -> None: ...

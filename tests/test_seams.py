@@ -1,0 +1,177 @@
+"""The seams, used as a user would through the Python API on real local Dask clusters: the
+reference loop is the oracle of the Dask flow, the trajectory accounts hold at every event, and a
+reward, an environment and a stage defined right here replace the package's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flows.config import ConfigError, load_config, validate
+from flows.launch import run_training
+from flows.lifecycle import TrajState
+from flows.metrics import read_metrics
+from flows.reference import run_reference
+from tasks.env_steps import env_step
+from tasks.stages import Stages
+from tasks.trainer import train_step
+
+pytestmark = pytest.mark.integration
+
+QUIET = ["metrics.progress=false", "cluster.dashboard_port=0", "eval.every_steps=0"]
+
+# train batches as the trainer received them; the oracle test runs in-process workers, so a
+# module-level function (pickled by reference) appends to this very list
+TRAIN_BATCHES: list = []
+
+
+def recording_train_step(trainer, batch):
+    TRAIN_BATCHES.append(batch)
+    return train_step(trainer, batch)
+
+
+def test_reference_loop_is_the_oracle_of_the_dask_flow(tmp_path):
+    """Same seed, greedy policy, sync mode: the Dask flow and the single-process reference loop
+    produce the same trajectories (tokens, advantages), rewards and losses."""
+    overrides = [*QUIET, "mode=sync", "trainer.max_steps=2", "trainer.groups_per_step=2",
+                 "rollout.sampling.greedy=true", "trainer.hparams.minibatches=1",
+                 "reward.backend=local", "cluster.processes=false"]
+    TRAIN_BATCHES.clear()
+    summary = run_training(load_config(overrides=overrides), tmp_path / "dask",
+                           stages=Stages(train_step=recording_train_step),
+                           dashboard=lambda line: None)
+    flow_rows = read_metrics(tmp_path / "dask")
+    ref_rows = run_reference(load_config(overrides=overrides))
+    assert summary["policy_version"] == 2 and len(TRAIN_BATCHES) == 2
+    for step, (batch, flow, ref) in enumerate(zip(TRAIN_BATCHES, flow_rows, ref_rows,
+                                                  strict=True)):
+        # the same episodes (the flow's batch is in completion order: compare as sets)
+        got = sorted((tuple(s.token_ids.tolist()), round(s.advantage, 6)) for s in batch.samples)
+        ref_samples = ref["trajectories"]
+        want = sorted((tuple(t.token_ids.tolist()), round(a, 6)) for t, a in zip(
+            ref_samples, _advantages(ref_samples), strict=True))
+        assert got == want, f"step {step + 1}: the trajectories differ"
+        assert len(got) == 16
+        for key in ("reward/mean", "train/loss", "train/entropy", "train/kl_behaviour",
+                    "rollout/response_tokens"):
+            assert flow[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def _advantages(trajs):
+    from tasks.losses import group_advantages
+
+    out = {}
+    for gid in {t.group_id for t in trajs}:
+        members = [t for t in trajs if t.group_id == gid]
+        for t, a in zip(members, group_advantages([t.reward for t in members]), strict=True):
+            out[id(t)] = a
+    return [out[id(t)] for t in trajs]
+
+
+def test_accounts_hold_at_every_event_of_a_run(tmp_path):
+    events = []
+
+    def watch(t, ledger):
+        acc = ledger.training
+        events.append((t.new, acc.started, acc.trained, acc.dropped_total, acc.in_flight))
+
+    # an env task may be called "eval": evaluation episodes are known by their own flag
+    cfg = load_config(overrides=[*QUIET, "trainer.max_steps=3", "trainer.groups_per_step=2",
+                                 "reward.backend=local", "eval.every_steps=2",
+                                 "eval.episodes=2", "env_tasks.0.name=eval"])
+    summary = run_training(cfg, tmp_path / "run", on_transition=watch,
+                           dashboard=lambda line: None)
+    evals = read_metrics(tmp_path / "run", "eval")
+    assert [r["eval/step"] for r in evals] == [2, 3]
+    assert {"eval/eval/success", "eval/guess_number/success"} <= set(evals[0])
+    # the oldest weights the round's tokens came from: the requested version or the one before
+    assert all(r["eval/step"] - 1 <= r["eval/policy_version_oldest"] <= r["eval/step"]
+               for r in evals)
+    assert "env/eval/success" in read_metrics(tmp_path / "run")[-1] or any(
+        "env/eval/success" in r for r in read_metrics(tmp_path / "run"))
+    assert len(events) > 100
+    assert all(started == trained + dropped + live for _, started, trained, dropped, live
+               in events)
+    assert {e[0] for e in events} >= {TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
+                                      TrajState.SCORING, TrajState.IN_GROUP, TrajState.TRAINED,
+                                      TrajState.EVALUATED, TrajState.DROPPED}
+    t = summary["trajectories"]
+    # nothing left in flight at the end: every trajectory trained or dropped with its reason
+    assert events[-1][4] == 0 and t["started"] == t["trained"] + sum(t["dropped"].values())
+    # evaluation after step 2 and after the last: 2 rounds of 2 episodes per env task
+    assert summary["evaluation"]["episodes_started"] == 2 * 2 * len(cfg.env_tasks)
+
+
+def test_a_reward_an_environment_and_a_stage_defined_here_replace_the_packages(tmp_path):
+    class SayYes:
+        """Defined inside the test: no module path reaches it, Dask ships it by value."""
+
+        max_turns = 2
+
+        def __init__(self, max_turns: int = 2):
+            self.max_turns, self.turn = max_turns, 0
+
+        def reset(self, seed=None):
+            self.turn = 0
+            return "reply yes or no", {"seed": seed}
+
+        def step(self, action):
+            self.turn += 1
+            done = self.turn >= self.max_turns
+            return "again", float(action.strip() == "yes"), done, False, {"said": action}
+
+        def close(self):
+            pass
+
+    def marked_env_step(registry, tokenizer, prev, sample):
+        obs = env_step(registry, tokenizer, prev, sample)
+        obs.info = {**obs.info, "through_custom_step": True}
+        return obs
+
+    def custom_reward(item):  # 10 + the environment's return: visibly not the env's own
+        assert item["info"]["through_custom_step"]
+        return 10.0 + sum(item["env_rewards"]), {"custom": True}
+
+    def labelled_backend(policy, max_batch):  # the inference seam: any InferenceBackend
+        from resources.engine import hf_backend
+
+        backend = hf_backend(policy, max_batch)
+        stats = backend.stats
+        backend.stats = lambda: {**stats(), "label": "from-the-test"}
+        return backend
+
+    cfg = load_config(overrides=[*QUIET, "trainer.max_steps=2", "trainer.groups_per_step=2",
+                                 "reward.backend=local"])
+    cfg.engine.backend = {"_component_": labelled_backend}
+    cfg.env_tasks = [cfg.env_tasks[1].model_copy(update={
+        "name": "say_yes", "env": {"_component_": SayYes, "max_turns": 2},
+        "reward_fn": custom_reward, "weight": 1.0})]
+    summary = run_training(cfg, tmp_path / "run", stages=Stages(env_step=marked_env_step),
+                           dashboard=lambda line: None)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["train/step"] for r in rows] == [1, 2]
+    assert all(10.0 <= r["env/say_yes/reward"] <= 12.0 for r in rows)
+    assert all(r["env/say_yes/turns"] == 2.0 for r in rows)
+    assert summary["reward"]["lost"] == {} and summary["trajectories"]["trained"] > 0
+    engines = [w["engine"] for w in summary["workers"].values() if "engine" in w]
+    assert len(engines) == 2 and all(e["label"] == "from-the-test" for e in engines)
+    assert "<python: tests.test_seams." in (tmp_path / "run" / "config.yaml").read_text()
+
+    # the lambda backend cannot run a function that was never deployed: refused before any
+    # cluster starts, with one line that says why
+    cfg.reward.backend = "lambda"
+    with pytest.raises(ConfigError) as exc:
+        run_training(cfg, tmp_path / "refused", dashboard=lambda line: None)
+    assert "deploy" in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_reference_loop_learns_frozenlake():
+    """The default suite's learning guard: seeded and single-process, so deterministic (the
+    Dask flow's full-length learning runs vary from run to run and are marked slow)."""
+    cfg = load_config(overrides=["reward.backend=local", "trainer.max_steps=40",
+                                 "trainer.groups_per_step=4"])
+    cfg.env_tasks = cfg.env_tasks[:1]
+    success = [r["env/frozenlake/success"] for r in run_reference(validate(cfg))]
+    assert max(success[:5]) <= 0.05, success
+    assert np.mean(success[-3:]) >= 0.25, success

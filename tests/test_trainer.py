@@ -1,0 +1,140 @@
+"""The trainer: its protocol and factory, the loss component, eval-mode log-probs, seeded shuffle."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.components import instantiate
+from tasks.losses import LossOutput, decoupled_ppo_loss
+from tasks.policy import PolicySpec, load_policy
+from tasks.records import TrainBatch, TrainSample
+from tasks.trainer import PolicyTrainer, Trainer, TrainerHParams, policy_trainer, train_step
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_rngs():
+    """These tests seed and restore the process-wide RNGs; leave them as they were."""
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(th)
+
+
+def _batch(n: int, version: int = 0, seed: int = 0, length: tuple[int, int] = (6, 14),
+           vocab: int = 60) -> TrainBatch:
+    """Random trajectories: a prompt, then policy tokens with made-up behaviour log-probs."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        t = int(rng.integers(*length)) if length[0] < length[1] else length[0]
+        mask = np.arange(t) >= t // 2
+        behav = np.where(mask, rng.normal(-4.0, 0.5, t), 0.0).astype(np.float32)
+        samples.append(TrainSample(rng.integers(1, vocab, t), mask, behav, float(rng.normal())))
+    return TrainBatch(samples, version)
+
+
+def _padded(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s.token_ids) for s in batch.samples)
+    ids = torch.zeros(len(batch.samples), T, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(batch.samples):
+        ids[i, :len(s.token_ids)] = torch.as_tensor(s.token_ids)
+        attn[i, :len(s.token_ids)] = 1
+    return ids, attn
+
+
+def test_policy_trainer_factory_builds_a_trainer_from_config():
+    trainer = instantiate({"_component_": "tasks.trainer.policy_trainer"}, policy=PolicySpec(),
+                          hparams={"minibatches": 2}, seed=1, loss=None)
+    assert isinstance(trainer, PolicyTrainer) and isinstance(trainer, Trainer)
+    assert trainer.hp.minibatches == 2 and trainer.loss is decoupled_ppo_loss
+    stats = train_step(trainer, _batch(4))
+    assert trainer.version == stats.policy_version == 1
+    with pytest.raises(RuntimeError, match="built for v0"):
+        trainer.train_step(_batch(4))
+
+
+def test_custom_loss_is_called_once_per_minibatch():
+    calls = []
+
+    def loss(logp, prox_logp, behaviour_logp, advantages, mask, *, clip_eps, tis_cap):
+        calls.append((logp.requires_grad, logp.shape == mask.shape, advantages.shape[0],
+                      clip_eps, tis_cap))
+        m = mask.float()
+        return LossOutput(-(logp * m).sum() / m.sum(), 0.0, 1.0, 0.0)
+
+    hp = TrainerHParams(minibatches=3, ppo_epochs=2, clip_eps=0.3, tis_cap=1.5)
+    stats = policy_trainer(PolicySpec(), hp, loss=loss).train_step(_batch(6))
+    assert calls == [(True, True, 2, 0.3, 1.5)] * 6  # 2 epochs x 3 minibatches of 2
+    assert stats.tis_mean == 1.0 and stats.pg_clipfrac == 0.0
+
+
+def test_log_probs_are_computed_without_dropout():
+    spec = PolicySpec(architecture={**PolicySpec().architecture, "attention_dropout": 0.5})
+    model, tok = load_policy(spec)
+    batch = _batch(6, length=(10, 10))  # equal lengths: no padding
+    ids, attn = _padded(batch)
+    with torch.no_grad():  # the sampler's log-probs: the same weights, in eval mode
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    for s, row in zip(batch.samples, logp, strict=True):
+        s.behaviour_logprobs = np.concatenate([[0.0], row.numpy()]).astype(np.float32)
+
+    # a clip range far below dropout's noise, far above float rounding
+    trainer = PolicyTrainer(model, tok, TrainerHParams(minibatches=1, clip_eps=1e-3))
+    with torch.no_grad():
+        first, second = trainer._logprobs(ids, attn)[0], trainer._logprobs(ids, attn)[0]
+    assert torch.equal(first, second)
+    # one minibatch, before its optimiser step: on-policy, so no drift and no clipping
+    stats = trainer.train_step(batch)
+    assert stats.kl_behaviour == pytest.approx(0.0, abs=1e-5)
+    assert stats.tis_mean == pytest.approx(1.0, abs=1e-4)
+    assert stats.pg_clipfrac == 0.0
+
+
+def _steps_equal(a, b) -> bool:
+    fields = ("loss", "pg_clipfrac", "tis_mean", "kl_behaviour", "entropy", "grad_norm")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def _weights_equal(a: Trainer, b: Trainer) -> bool:
+    wa, wb = a.export_weights(), b.export_weights()
+    return wa.version == wb.version and all(np.array_equal(wa.state[k], wb.state[k])
+                                            for k in wa.state)
+
+
+HP = TrainerHParams(minibatches=4, ppo_epochs=2, lr=1e-2)
+
+
+def test_minibatch_order_follows_the_trainer_seed_not_the_global_rng():
+    a, b = policy_trainer(PolicySpec(), HP, seed=7), policy_trainer(PolicySpec(), HP, seed=7)
+    random.seed(1)
+    sa = a.train_step(_batch(8))
+    random.seed(2)
+    sb = b.train_step(_batch(8))
+    assert _steps_equal(sa, sb)
+    assert _weights_equal(a, b)
+
+
+def test_checkpoint_restores_the_shuffle_state(tmp_path):
+    a = policy_trainer(PolicySpec(), HP, seed=7)
+    a.train_step(_batch(8, seed=0))
+    path = a.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "policy" / "config.json").exists()
+    keys = set(torch.load(path, weights_only=False))
+    assert keys == {"model", "optimizer", "scheduler", "version", "torch_rng", "numpy_rng",
+                    "python_rng", "shuffle_rng"}
+    random.seed(1)  # other code on the worker draws from the global RNG meanwhile
+    uninterrupted = a.train_step(_batch(8, version=1, seed=1))
+
+    b = policy_trainer(PolicySpec(), HP, seed=99)  # everything must come from the checkpoint
+    assert b.load_checkpoint(path) == 1
+    random.seed(2)
+    resumed = b.train_step(_batch(8, version=1, seed=1))
+    assert _steps_equal(uninterrupted, resumed)
+    assert _weights_equal(a, b)
