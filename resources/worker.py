@@ -69,7 +69,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
         if self._backend is not None:
             self._backend.close()
         for c in self._reward_clients.values():
-            getattr(c, "close", lambda: None)()
+            c.close()
 
     @property
     def spec(self) -> PolicySpec:
