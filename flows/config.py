@@ -306,6 +306,16 @@ class TrainConfig(_Strict):
                 f"of weight-sync lag ({floor}): most rollouts would go stale by design")
         return self
 
+    def batch_trajectories(self) -> int:
+        """Trajectories in one train batch, on average over the mix."""
+        return round(sum(t.group_size * t.weight for t in self.env_tasks)
+                     / sum(t.weight for t in self.env_tasks) * self.trainer.groups_per_step)
+
+    def trainer_hparams(self) -> TrainerHParams:
+        """The trainer's hyper-parameters, the lr decay spanning the run unless set."""
+        hp = self.trainer.hparams
+        return hp.model_copy(update={"total_steps": hp.total_steps or self.trainer.max_steps})
+
     def effective_pools(self) -> list[PoolSpec]:
         """Monolithic: one pool of the same total size whose workers carry every tag."""
         if self.placement == "disaggregated":

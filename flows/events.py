@@ -49,9 +49,6 @@ class EventLoop:
     def empty(self) -> bool:
         return self._ac.is_empty()
 
-    def in_flight(self, kind: FutureKind) -> int:
-        return sum(k is kind for k in self._kinds.values())
-
     def next_batch(self) -> list[Event]:
         """Block until at least one future finished; every finished one, with its result."""
         batch = self._ac.next_batch(block=True)

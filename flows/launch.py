@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from flows.config import ConfigError, TrainConfig, resolved_yaml, validate
+from flows.lifecycle import TrajectoryLedger, Transition
 from flows.metrics import ProgressLine, make_sink
 from flows.run import TrainingRun
 from resources.affinity import pool_tags, route
@@ -91,10 +93,12 @@ def close_quietly(cluster: ClusterHandle) -> None:
 
 def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None = None,
                  stages: Stages | None = None, progress: bool | None = None,
-                 on_transition=None, dashboard=print) -> dict:
+                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
+                 dashboard: Callable[[str], object] = print) -> dict:
     """Run one training job end to end and return its summary (also written to
-    ``<run_dir>/summary.json``). ``stages`` replaces per-turn stage functions; ``dashboard``
-    is called with the dashboard line once the cluster is up."""
+    ``<run_dir>/summary.json``). ``stages`` replaces stage functions; ``on_transition`` sees
+    every change of a trajectory's state; ``dashboard`` is called with the dashboard line once
+    the cluster is up. Raises ConfigError or RewardServiceError before any cluster starts."""
     cfg = validate(cfg)
     emulator = start_reward_service(cfg)
     run_dir = Path(run_dir)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -93,12 +93,8 @@ class Accounts:
     started: int = 0
     finished: int = 0  # finished rolling out (whatever came of them after)
     trained: int = 0  # evaluation: episodes reported
-    dropped: Counter[DropReason] = None  # type: ignore[assignment]
-    in_state: Counter[TrajState] = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.dropped = Counter()
-        self.in_state = Counter()
+    dropped: Counter[DropReason] = field(default_factory=Counter)
+    in_state: Counter[TrajState] = field(default_factory=Counter)  # live ones, by state
 
     @property
     def in_flight(self) -> int:

@@ -132,11 +132,6 @@ class GroupCollector:
             return []
         return list(g.members)
 
-    def members(self) -> list[Trajectory]:
-        """Every scored trajectory not yet cut into a batch (open and ready groups)."""
-        groups = list(self._open.values()) + list(self._ready.values())
-        return [t for g in groups for t in g.members]
-
     @property
     def ready_groups(self) -> int:
         return len(self._ready)

@@ -41,7 +41,6 @@ from tasks.env_steps import EnvRegistry
 from tasks.policy import load_tokenizer
 from tasks.records import TrainBatch, Trajectory
 from tasks.stages import Stages
-from tasks.trainer import TrainerHParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +52,8 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
     st = stages or Stages()
     # -- the parts: one inference backend, one trainer, environments, a reward client ---------
     backend = instantiate(cfg.engine.backend, policy=cfg.policy, max_batch=1)
-    hparams = cfg.trainer.hparams.model_copy(
-        update={"total_steps": cfg.trainer.hparams.total_steps or cfg.trainer.max_steps})
-    trainer = instantiate(cfg.trainer.backend, policy=cfg.policy,
-                          hparams=TrainerHParams(**hparams.model_dump()), seed=cfg.seed,
-                          loss=bind(cfg.trainer.loss))
+    trainer = instantiate(cfg.trainer.backend, policy=cfg.policy, hparams=cfg.trainer_hparams(),
+                          seed=cfg.seed, loss=bind(cfg.trainer.loss))
     tokenizer = load_tokenizer(cfg.policy)
     envs = EnvRegistry("reference")
     reward_client = build_reward_client(cfg.reward.client_settings(None) | {"backend": "local"},
@@ -65,8 +61,7 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
     reward_fns = {t.name: reward_fn_name(t.reward_fn) for t in cfg.env_tasks}
     sampling = sampling_params(cfg)
     draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
-    batch_size = round(sum(t.group_size * t.weight for t in cfg.env_tasks)
-                       / sum(t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step)
+    batch_size = cfg.batch_trajectories()
     st.load_weights(backend, st.publish_weights(trainer))  # the engine starts on v0
     version, next_id, rows, t0 = 0, 0, [], time.perf_counter()
 

@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from flows.config import TrainConfig, reward_callables
@@ -48,7 +49,7 @@ class TrainingRun:
 
     def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink,
                  reward_endpoint: str | None = None, stages: Stages | None = None,
-                 on_transition=None):
+                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None):
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
         if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
             raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
@@ -64,9 +65,7 @@ class TrainingRun:
         self.run_id = run_dir.name
         self.version = 0
         self.draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
-        self.batch_trajectories = round(sum(
-            t.group_size * t.weight for t in cfg.env_tasks) / sum(
-            t.weight for t in cfg.env_tasks) * cfg.trainer.groups_per_step)
+        self.batch_trajectories = cfg.batch_trajectories()
         # a rolling-out trajectory holds at most one task of each pool at a time
         self.pool_slots = min(cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
                                                           Tag.CPU_ENV))
@@ -98,8 +97,7 @@ class TrainingRun:
         self.client.register_plugin(RollArcWorkerPlugin(
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
-            hparams=cfg.trainer.hparams.model_dump()
-            | {"total_steps": cfg.trainer.hparams.total_steps or cfg.trainer.max_steps},
+            hparams=cfg.trainer_hparams().model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg)))
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
@@ -280,8 +278,3 @@ class TrainingRun:
             "elapsed_s": time.perf_counter() - self.t0,
         }
 
-
-def check_transition(t: Transition, ledger: TrajectoryLedger) -> None:
-    """An ``on_transition`` hook that re-checks the accounts at every event."""
-    for acc in (ledger.training, ledger.evaluation):
-        assert acc.started == acc.trained + acc.dropped_total + acc.in_flight, t
