@@ -36,7 +36,7 @@ from flows.orchestration import min_max_staleness
 from resources.affinity import Objective, Workload
 from resources.catalog import CATALOG, HardwareProfile
 from resources.pools import PoolSpec, Role
-from tasks.components import COMPONENT, check_signature, describe, resolve
+from tasks.components import COMPONENT, check_component, check_signature, describe
 from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec
 from tasks.reward_service import resolve_reward
@@ -121,6 +121,13 @@ class EnvTaskConfig(_Strict):
     sampling: SamplingConfig | None = Field(default=None,
                                             description="Overrides rollout.sampling for this "
                                                         "env task")
+
+    def reward_name(self) -> str:
+        """What this env task's score requests call its reward: the dotted path, or for a
+        Python callable its name and the env task's (two partials of one function differ)."""
+        if isinstance(self.reward_fn, str):
+            return self.reward_fn
+        return f"{describe(self.reward_fn)}@{self.name}"
 
 
 class RolloutConfig(_Strict):
@@ -424,16 +431,25 @@ def _validated(data: dict) -> TrainConfig:
 
 def _check_components(cfg: TrainConfig) -> None:
     """Resolve every component and check its arguments fit, without constructing anything
-    (environments are built on the workers, per trajectory); an environment class may check
-    argument values itself with a ``check_config(**kwargs)`` classmethod."""
-    checks = [(f"env_tasks.{i}.env", t.env) for i, t in enumerate(cfg.env_tasks)]
-    checks += [("engine.backend", cfg.engine.backend), ("trainer.backend", cfg.trainer.backend),
-               ("trainer.loss", cfg.trainer.loss)]
-    for key, spec in checks:
+    (environments are built on the workers, per trajectory); an environment class checks
+    argument values itself with a ``check_config(**kwargs)`` static method."""
+    loss_kwargs = set(cfg.trainer.loss) & {"clip_eps", "tis_cap"}
+    if loss_kwargs:
+        raise ConfigError(f"trainer.loss.{sorted(loss_kwargs)[0]}: set it in trainer.hparams "
+                          "(the trainer passes it to the loss)")
+    tensors = [None] * 5  # logp, prox_logp, behaviour_logp, advantages, mask
+    checks = [(f"env_tasks.{i}.env", lambda spec: check_component(spec), t.env)
+              for i, t in enumerate(cfg.env_tasks)]
+    checks += [
+        ("engine.backend", lambda spec: check_signature(spec, policy=None, max_batch=1),
+         cfg.engine.backend),
+        ("trainer.backend", lambda spec: check_signature(spec, policy=None, hparams=None, seed=0,
+                                                         loss=None), cfg.trainer.backend),
+        ("trainer.loss", lambda spec: check_signature(spec, *tensors, clip_eps=0.2, tis_cap=2.0),
+         cfg.trainer.loss)]
+    for key, check, spec in checks:
         try:
-            obj = check_signature(spec) if key.endswith(".env") else resolve(spec[COMPONENT])
-            if key.endswith(".env") and hasattr(obj, "check_config"):
-                obj.check_config(**{k: v for k, v in spec.items() if k != COMPONENT})
+            check(spec)
         except Exception as exc:
             raise ConfigError(f"{key}: {type(exc).__name__}: {exc}") from None
     for i, t in enumerate(cfg.env_tasks):
@@ -446,7 +462,7 @@ def _check_components(cfg: TrainConfig) -> None:
 
 def reward_callables(cfg: TrainConfig) -> dict[str, Callable]:
     """The env tasks' Python reward functions by the name their score requests carry."""
-    return {describe(t.reward_fn): t.reward_fn for t in cfg.env_tasks
+    return {t.reward_name(): t.reward_fn for t in cfg.env_tasks
             if not isinstance(t.reward_fn, str)}
 
 

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tasks.components import describe
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, ScoreRequest, Trajectory
 
 if TYPE_CHECKING:
@@ -97,12 +96,6 @@ def turn_ends(rec: RolloutRecord, obs: EnvObservation, max_new_tokens: int,
     context_limited = obs.sample.context_full or (
         not obs.done and len(rec.tokens) + len(obs.input_ids) + max_new_tokens > max_context)
     return obs.done or context_limited, context_limited
-
-
-def reward_fn_name(reward_fn) -> str:
-    """What a ScoreRequest names the reward by: its dotted path, or a Python callable's
-    ``module.qualname`` (looked up in the ``local`` backend's functions)."""
-    return describe(reward_fn)
 
 
 def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str],

@@ -101,13 +101,14 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     the cluster is up. Raises ConfigError or RewardServiceError before any cluster starts."""
     cfg = validate(cfg)
     emulator = start_reward_service(cfg)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
-    logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml", resolved_yaml(cfg))
-    sink = make_sink(cfg.metrics.sink, run_dir)
-    cluster = None
+    sink = cluster = None
     try:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
+        logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml",
+                    resolved_yaml(cfg))
+        sink = make_sink(cfg.metrics.sink, run_dir)
         cluster = make_cluster(cfg, scheduler)
         dashboard(f"Dask dashboard: {cluster.dashboard_link}")
         run = TrainingRun(cfg, cluster, run_dir, sink, emulator.url if emulator else None,
@@ -121,7 +122,8 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
         if cluster is not None:
             close_quietly(cluster)
         if emulator is not None:

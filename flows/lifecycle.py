@@ -76,6 +76,11 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+class RunFailing(RuntimeError):
+    """Every trajectory keeps failing the same way: the run stops with this one line rather
+    than spin."""
+
+
 @dataclass(frozen=True)
 class Transition:
     traj_id: int

@@ -82,6 +82,7 @@ class _Group:
     group_id: str
     env_name: str
     size: int
+    order: int  # when it was opened
     members: list[Trajectory] = field(default_factory=list)
     dropped: int = 0
 
@@ -106,9 +107,11 @@ class GroupCollector:
         self._open: dict[str, _Group] = {}
         self._ready: OrderedDict[str, _Group] = OrderedDict()
         self.normalise_std = normalise_std
+        self._opened = 0
 
     def open_group(self, group_id: str, env_name: str, size: int) -> None:
-        self._open[group_id] = _Group(group_id, env_name, size)
+        self._open[group_id] = _Group(group_id, env_name, size, self._opened)
+        self._opened += 1
 
     def add(self, traj: Trajectory) -> list[Trajectory]:
         """A scored member arrived. Returns the members of a group completed too small to
@@ -157,9 +160,12 @@ class GroupCollector:
         """
         picked = [self._ready.popitem(last=False)[1] for _ in range(min(groups, len(self._ready)))]
         samples, kept, stale, ages, orphaned = [], [], [], [], []
-        for g in picked:
-            fresh = [t for t in g.members if staleness(trainer_version, t) <= max_staleness]
-            stale.extend(t for t in g.members if staleness(trainer_version, t) > max_staleness)
+        # which groups is decided by completion; their order in the batch is not, so that the
+        # trainer's seeded minibatches do not depend on timing
+        for g in sorted(picked, key=lambda g: g.order):
+            members = sorted(g.members, key=lambda t: int(t.traj_id))
+            fresh = [t for t in members if staleness(trainer_version, t) <= max_staleness]
+            stale.extend(t for t in members if staleness(trainer_version, t) > max_staleness)
             if len(fresh) < 2:
                 orphaned.extend(fresh)
                 continue

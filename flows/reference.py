@@ -6,11 +6,16 @@ turn rewards into group-relative advantages, train one step, load the new weight
 calls the very functions the Dask flow submits as tasks (:class:`tasks.stages.Stages`), the same
 inference backend, trainer, loss, collector and seeds, so for the same config and seed it
 produces the same tokens, rewards and losses as ``flows/train.py`` with ``mode=sync`` (tested on
-a greedy policy in ``tests/test_reference.py``). What the Dask flow adds is *where* and *when*:
-pools, trajectory-level asynchrony, bounded staleness, serverless reward.
+a greedy policy by ``tests/test_seams.py::test_reference_loop_is_the_oracle_of_the_dask_flow``).
+What the Dask flow adds is *where* and *when*: pools, trajectory-level asynchrony, bounded
+staleness, serverless reward.
 
 Departures from the flow: rewards are scored in-process (the ``local`` reward backend, the
-Lambda handler's own core), every trajectory is one attempt, and there is no evaluation round.
+Lambda handler's own core, which gives the same scores as the deployed function), every
+trajectory is one attempt, and there is no evaluation round (the flow's evaluation episodes
+have ids of their own, so they do not change the training episodes). The engine here runs one
+request at a time, the flow's batches concurrent ones: greedy tokens agree, sampled ones can in
+principle differ where two tokens' probabilities tie to the last bits.
 
     python flows/reference.py trainer.max_steps=20
     python flows/reference.py --config config/mix.yaml trainer.max_steps=5
@@ -28,7 +33,6 @@ import time
 from flows.config import ConfigError, TrainConfig, load_config, reward_callables, validate
 from flows.episode import (
     RolloutRecord,
-    reward_fn_name,
     sampling_params,
     score_requests,
     turn_ends,
@@ -58,7 +62,7 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
     envs = EnvRegistry("reference")
     reward_client = build_reward_client(cfg.reward.client_settings(None) | {"backend": "local"},
                                         cfg.reward.lambda_function, reward_callables(cfg))
-    reward_fns = {t.name: reward_fn_name(t.reward_fn) for t in cfg.env_tasks}
+    reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
     sampling = sampling_params(cfg)
     draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
     batch_size = cfg.batch_trajectories()

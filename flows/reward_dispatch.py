@@ -16,8 +16,8 @@ import numpy as np
 from distributed import Client, Future
 
 from flows.config import TrainConfig
-from flows.episode import reward_fn_name, score_requests
-from flows.lifecycle import DropReason, TrajectoryLedger, TrajState
+from flows.episode import score_requests
+from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.orchestration import Router
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_reward_client
@@ -25,7 +25,7 @@ from tasks.records import InvocationRecord, ScoreBatch, Trajectory
 from tasks.stages import Stages
 
 
-class RewardServiceFailing(RuntimeError):
+class RewardServiceFailing(RunFailing):
     pass
 
 
@@ -73,7 +73,7 @@ class RewardDispatcher:
                  ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int):
         self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
         self.run_id = run_id
-        self.reward_fns = {t.name: reward_fn_name(t.reward_fn) for t in cfg.env_tasks}
+        self.reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
         self.lambda_function = {t.name: t.lambda_function or cfg.reward.lambda_function
                                 for t in cfg.env_tasks}
         # one score task carries what the client can send at once; it fans the burst out itself

@@ -18,7 +18,7 @@ from distributed import Client, Future, wait
 
 from flows.config import EnvTaskConfig, TrainConfig
 from flows.episode import RolloutRecord, sampling_params, turn_ends
-from flows.lifecycle import DropReason, TrajectoryLedger, TrajState
+from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.orchestration import Router, decode_seed
 from resources.pools import Stage, Tag, demand
 from resources.worker import plain, with_backend, with_envs, with_registry
@@ -35,6 +35,14 @@ class TurnOutcome:
     dropped: RolloutRecord | None = None  # ...or was dropped (its reason is in the ledger)
 
 
+# evaluation episodes' trajectory ids start here (training ids count up from 0)
+EVAL_ID_OFFSET = 10**9
+
+
+class RolloutFailing(RunFailing):
+    pass
+
+
 class RolloutDriver:
     """Submits and advances trajectories; reports finished and dropped ones."""
 
@@ -43,6 +51,8 @@ class RolloutDriver:
         self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
         self.stages, self.run_id = stages, run_id
         self.sampling = sampling_params(cfg)
+        # consecutive failed turns, retries included, before the run stops with the last error
+        self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, cfg.batch_trajectories())
         # evaluation decodes greedily: the policy's best answer, not a sample
         self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
                               for name, sp in self.sampling.items()}
@@ -51,7 +61,11 @@ class RolloutDriver:
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.stage_submitted: dict[str, int] = {}
         self._next_id = 0
+        # evaluation episodes take ids of their own, so that they never shift the training
+        # trajectories' ids and with them their sampling seeds
+        self._next_eval_id = EVAL_ID_OFFSET
         self._stopping = False
+        self.error_streak = 0
         self._closing: list[Future] = []
 
     @property
@@ -74,8 +88,11 @@ class RolloutDriver:
     def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
               eval_round: int | None = None) -> Future:
         """Admit a new trajectory and submit its first turn; the future is its env_step."""
-        rec = RolloutRecord(self._next_id, group_id, env_task, seed, eval_round=eval_round)
-        self._next_id += 1
+        if eval_round is None:
+            tid, self._next_id = self._next_id, self._next_id + 1
+        else:
+            tid, self._next_eval_id = self._next_eval_id, self._next_eval_id + 1
+        rec = RolloutRecord(tid, group_id, env_task, seed, eval_round=eval_round)
         self.ledger.admit(rec.traj_id, rec.evaluation)
         self.live[rec.traj_id] = rec
         return self._start(rec)
@@ -124,6 +141,7 @@ class RolloutDriver:
         """A turn's env_step finished with ``obs``."""
         rec = self.live[self._by_step.pop(fut.key)]
         self._release(rec)
+        self.error_streak = 0
         rec.record_turn(obs)
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
@@ -153,6 +171,11 @@ class RolloutDriver:
             f"{fut.status}: result lost")
         logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, exc)
         self.close_env(rec)
+        self.error_streak += 1
+        if self.error_streak >= self.max_error_streak:
+            # every turn failing (an environment that cannot start, ...) would spin the run
+            raise RolloutFailing(f"the last {self.error_streak} turns failed, the last with "
+                                 f"{type(exc).__name__}: {str(exc)[:300]}")
         if rec.attempt + 1 < self.cfg.rollout.max_attempts and (not self._stopping
                                                                  or rec.evaluation):
             rec.attempt += 1

@@ -201,7 +201,7 @@ class TrainingRun:
         elif out.dropped is not None:
             if out.dropped.evaluation:
                 self._on_eval_episode(out.dropped.eval_round, None)
-            else:
+            elif not self.driver.stopping:  # once stopping, its group ends with the run
                 self._group_lost_member(out.dropped.group_id)
 
     def _on_score(self, ev: Event) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from flows.config import ConfigError, load_config
 from flows.launch import RewardServiceError, run_training
-from flows.reward_dispatch import RewardServiceFailing
+from flows.lifecycle import RunFailing
 
 logger = logging.getLogger("rollarc")
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except RewardServiceError as exc:
         print(f"reward service error: {exc}", file=sys.stderr)
         return 3
-    except RewardServiceFailing as exc:
+    except RunFailing as exc:
         print(f"run stopped: {exc}", file=sys.stderr)
         return 1
     t = summary["trajectories"]

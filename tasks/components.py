@@ -52,18 +52,28 @@ def bind(spec: dict[str, Any]) -> Any:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-def check_signature(spec: dict[str, Any], **extra: Any) -> Any:
-    """Resolve ``spec`` and check its kwargs fit the component's signature, without calling it.
-    Returns the resolved object; raises ImportError or TypeError naming the problem."""
+def check_signature(spec: dict[str, Any], *args: Any, **extra: Any) -> Any:
+    """Resolve ``spec`` and check that it can be called with ``args``, its kwargs and ``extra``,
+    without calling it. Returns the resolved object; raises ImportError or TypeError."""
     obj = resolve(spec[COMPONENT])
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
         return obj
     try:
-        sig.bind(**kwargs_of(spec), **extra)
+        sig.bind(*args, **kwargs_of(spec), **extra)
     except TypeError as exc:
         raise TypeError(f"{describe(obj)}: {exc}") from None
+    return obj
+
+
+def check_component(spec: dict[str, Any]) -> Any:
+    """Check a component's arguments without building it: they fit its signature, and its
+    optional ``check_config(**kwargs)`` (a static or class method) accepts their values."""
+    obj = check_signature(spec)
+    check = getattr(obj, "check_config", None)
+    if callable(check):
+        check(**kwargs_of(spec))
     return obj
 
 

@@ -62,12 +62,12 @@ def kv_prefill(engine, cache: KVCache | None, new_ids: list[int]) -> PrefillOutp
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token; returns it and its log-prob under the sampling distribution."""
+    """Sample one token; returns it and its log-prob at the sampling temperature (what the
+    trainer recomputes), greedy or not."""
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     if params.greedy:
-        logp = torch.log_softmax(logits.float(), dim=-1)
         tok = int(torch.argmax(logp))
         return tok, float(logp[tok])
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
     return tok, float(logp[tok])
 

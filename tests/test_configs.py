@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,30 @@ def test_emulated_functions_are_checked_against_the_template_at_start(override, 
     assert key in str(exc.value)
 
 
+@pytest.mark.parametrize("override", [
+    "env_tasks.1.env.env.boxes=3",  # the wrapped environment's own check
+    "env_tasks.1.env.env._component_=tasks.envs.sokoban.Nope",
+    "env_tasks.1.env.failure_rate=1.5",
+    "env_tasks.2.env.env.max_operand=0",
+])
+def test_wrapped_environments_are_checked_without_being_built(override):
+    with pytest.raises(ConfigError) as exc:
+        load_config(ROOT / "config" / "mix_sandbox.yaml", [override])
+    assert str(exc.value).startswith(f"env_tasks.{override.split('.')[1]}.env")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.loss.clip_eps=0.1", "trainer.loss.clip_eps"),  # the trainer would override it
+    ("trainer.loss.typo=1", "trainer.loss"),
+    ("engine.backend.bogus=2", "engine.backend"),
+    ("trainer.backend.nope=3", "trainer.backend"),
+])
+def test_component_arguments_are_checked_at_start(override, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config(overrides=[override])
+    assert str(exc.value).startswith(key)
+
+
 def test_config_load_builds_no_environment(monkeypatch):
     from tasks.envs import frozenlake, guess_number
 
@@ -89,6 +114,10 @@ def test_config_load_builds_no_environment(monkeypatch):
     monkeypatch.setattr(frozenlake.FrozenLakeText, "__init__", refuse)
     monkeypatch.setattr(guess_number.GuessNumber, "__init__", refuse)
     assert load_config().env_tasks
+
+
+def scaled(item, scale=1.0):
+    return scale, {}
 
 
 def test_python_objects_as_components_and_a_callable_reward_needs_the_local_backend():
@@ -102,9 +131,13 @@ def test_python_objects_as_components_and_a_callable_reward_needs_the_local_back
     cfg = load_config(overrides=["reward.backend=local"])
     cfg.env_tasks[0].env = {"_component_": MyEnv, "size": 3}
     cfg.env_tasks[0].reward_fn = my_reward
+    # two partials of one function are two rewards, each env task keeps its own
+    cfg.env_tasks[1].reward_fn = functools.partial(scaled, scale=2.0)
     cfg = validate(cfg)
     assert cfg.env_tasks[0].env["_component_"] is MyEnv
-    assert reward_callables(cfg) == {describe(my_reward): my_reward}
+    fns = reward_callables(cfg)
+    assert fns[f"{describe(my_reward)}@frozenlake"] is my_reward
+    assert fns["partial(tests.test_configs.scaled)@guess_number"].keywords == {"scale": 2.0}
     assert "<python: tests.test_configs." in resolved_yaml(cfg)
     cfg.env_tasks[0].env = {"_component_": MyEnv, "bogus": 1}
     with pytest.raises(ConfigError, match="env_tasks.0.env"):

@@ -9,7 +9,7 @@ import pytest
 
 from flows.config import ConfigError, load_config, validate
 from flows.launch import run_training
-from flows.lifecycle import TrajState
+from flows.lifecycle import RunFailing, TrajState
 from flows.metrics import read_metrics
 from flows.reference import run_reference
 from tasks.env_steps import env_step
@@ -34,22 +34,26 @@ def test_reference_loop_is_the_oracle_of_the_dask_flow(tmp_path):
     """Same seed, greedy policy, sync mode: the Dask flow and the single-process reference loop
     produce the same trajectories (tokens, advantages), rewards and losses."""
     overrides = [*QUIET, "mode=sync", "trainer.max_steps=2", "trainer.groups_per_step=2",
-                 "rollout.sampling.greedy=true", "trainer.hparams.minibatches=1",
-                 "reward.backend=local", "cluster.processes=false"]
+                 "rollout.sampling.greedy=true", "reward.backend=local",
+                 "cluster.processes=false"]
     TRAIN_BATCHES.clear()
-    summary = run_training(load_config(overrides=overrides), tmp_path / "dask",
+    # the flow also evaluates after every step: evaluation episodes must not shift anything
+    summary = run_training(load_config(overrides=[*overrides, "eval.every_steps=1",
+                                                  "eval.episodes=1"]), tmp_path / "dask",
                            stages=Stages(train_step=recording_train_step),
                            dashboard=lambda line: None)
     flow_rows = read_metrics(tmp_path / "dask")
     ref_rows = run_reference(load_config(overrides=overrides))
     assert summary["policy_version"] == 2 and len(TRAIN_BATCHES) == 2
+    assert summary["evaluation"]["episodes_started"] == 2 * 2
     for step, (batch, flow, ref) in enumerate(zip(TRAIN_BATCHES, flow_rows, ref_rows,
                                                   strict=True)):
-        # the same episodes (the flow's batch is in completion order: compare as sets)
-        got = sorted((tuple(s.token_ids.tolist()), round(s.advantage, 6)) for s in batch.samples)
+        # the same episodes, in the same order (a batch is ordered by admission, not by timing,
+        # so the trainer's seeded minibatches match too)
+        got = [(tuple(s.token_ids.tolist()), round(s.advantage, 6)) for s in batch.samples]
         ref_samples = ref["trajectories"]
-        want = sorted((tuple(t.token_ids.tolist()), round(a, 6)) for t, a in zip(
-            ref_samples, _advantages(ref_samples), strict=True))
+        want = [(tuple(t.token_ids.tolist()), round(a, 6)) for t, a in zip(
+            ref_samples, _advantages(ref_samples), strict=True)]
         assert got == want, f"step {step + 1}: the trajectories differ"
         assert len(got) == 16
         for key in ("reward/mean", "train/loss", "train/entropy", "train/kl_behaviour",
@@ -175,3 +179,25 @@ def test_reference_loop_learns_frozenlake():
     success = [r["env/frozenlake/success"] for r in run_reference(validate(cfg))]
     assert max(success[:5]) <= 0.05, success
     assert np.mean(success[-3:]) >= 0.25, success
+
+
+def test_a_run_whose_every_trajectory_fails_stops_with_one_line(tmp_path):
+    class Broken:
+        max_turns = 1
+
+        def reset(self, seed=None):
+            raise OSError("sandbox unreachable")
+
+        def step(self, action):
+            raise AssertionError("never reached")
+
+        def close(self):
+            pass
+
+    cfg = load_config(overrides=[*QUIET, "trainer.max_steps=2", "reward.backend=local",
+                                 "rollout.max_in_flight=16", "trainer.groups_per_step=2",
+                                 "cluster.processes=false"])
+    cfg.env_tasks = [cfg.env_tasks[0].model_copy(update={"env": {"_component_": Broken}})]
+    with pytest.raises(RunFailing) as exc:
+        run_training(cfg, tmp_path / "run", dashboard=lambda line: None)
+    assert "OSError: sandbox unreachable" in str(exc.value) and "\n" not in str(exc.value)

@@ -156,6 +156,12 @@ class GemEnv:
     GEM's per-turn ``info["prefix"]``/``info["suffix"]`` to observations, as GEM's wrappers do.
     """
 
+    @staticmethod
+    def check_config(env_id: str = "", max_turns: int | None = None, **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
+        if max_turns is not None and max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+
     def __init__(self, env_id: str, max_turns: int | None = None,
                  success_reward: float | None = None, include_suffix: bool = True,
                  **env_kwargs: Any):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.components import instantiate
+from tasks.components import check_component, instantiate
 
 TAIL_PROBABILITY = 0.02
 _BODY_SIGMA = 0.25
@@ -84,6 +84,19 @@ def spend(seconds: float, cpu_work: bool) -> None:
 
 class RemoteLatency:
     """Any environment, with remote-service latency and failures (see module docstring)."""
+
+    @staticmethod
+    def check_config(env: dict[str, Any], step_latency: dict | float | None = None,
+                     reset_latency: dict | float | None = None, failure_rate: float = 0.0,
+                     **_) -> None:
+        """Argument checks, the wrapped environment's included, without building anything."""
+        if not 0.0 <= failure_rate < 1.0:
+            raise ValueError("failure_rate must be in [0, 1)")
+        Latency.of(step_latency), Latency.of(reset_latency)
+        try:
+            check_component(env)
+        except Exception as exc:
+            raise ValueError(f"env: {type(exc).__name__}: {exc}") from None
 
     def __init__(self, env: dict[str, Any], step_latency: dict | float | None = None,
                  reset_latency: dict | float | None = None, failure_rate: float = 0.0,

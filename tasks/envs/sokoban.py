@@ -230,9 +230,11 @@ class Sokoban:
     """Sokoban with text observations over generated, verified-solvable levels (see module
     docstring)."""
 
-    def __init__(self, width: int = 6, height: int = 6, boxes: int = 1, max_turns: int = 20,
-                 format_penalty: float = 0.1, step_penalty: float = 0.0,
-                 action_format: Literal["compact", "tagged"] = "compact", eval_seeds: int = 64):
+    @staticmethod
+    def check_config(width: int = 6, height: int = 6, boxes: int = 1, max_turns: int = 20,
+                     format_penalty: float = 0.1, step_penalty: float = 0.0,
+                     action_format: str = "compact", eval_seeds: int = 64, **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
         for name, side in (("width", width), ("height", height)):
             if not MIN_SIDE <= side <= MAX_SIDE:
                 raise ValueError(f"{name} must be in [{MIN_SIDE}, {MAX_SIDE}] (outer wall "
@@ -250,6 +252,13 @@ class Sokoban:
             raise ValueError(f"action_format must be 'compact' or 'tagged', not {action_format!r}")
         if eval_seeds < 0:
             raise ValueError("eval_seeds must be non-negative")
+
+    def __init__(self, width: int = 6, height: int = 6, boxes: int = 1, max_turns: int = 20,
+                 format_penalty: float = 0.1, step_penalty: float = 0.0,
+                 action_format: Literal["compact", "tagged"] = "compact", eval_seeds: int = 64):
+        self.check_config(width=width, height=height, boxes=boxes, max_turns=max_turns,
+                          format_penalty=format_penalty, step_penalty=step_penalty,
+                          action_format=action_format, eval_seeds=eval_seeds)
         self.width, self.height, self.boxes = width, height, boxes
         self.max_turns = max_turns
         self.format_penalty, self.step_penalty = format_penalty, step_penalty

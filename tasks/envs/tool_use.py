@@ -229,10 +229,11 @@ def is_correct(value: str, reference: float) -> bool:
 class ToolUse:
     """Arithmetic questions answered with an optional calculator tool (see module docstring)."""
 
-    def __init__(self, max_turns: int = 4, max_operand: int = 10,
-                 ops: tuple[str, ...] = ("plus", "minus", "times"),
-                 action_format: ActionFormat = "compact", format_penalty: float = 0.1,
-                 tool_cost: float = 0.0):
+    @staticmethod
+    def check_config(max_turns: int = 4, max_operand: int = 10,
+                     ops: tuple[str, ...] = ("plus", "minus", "times"),
+                     action_format: str = "compact", **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
         if max_turns < 1:
             raise ValueError("max_turns must be at least 1")
         if not 1 <= max_operand <= MAX_NUMBER:
@@ -241,6 +242,13 @@ class ToolUse:
             raise ValueError(f"ops must be a non-empty subset of {tuple(OPS)}")
         if action_format not in ("compact", "tagged"):
             raise ValueError(f"unknown action_format {action_format!r}")
+
+    def __init__(self, max_turns: int = 4, max_operand: int = 10,
+                 ops: tuple[str, ...] = ("plus", "minus", "times"),
+                 action_format: ActionFormat = "compact", format_penalty: float = 0.1,
+                 tool_cost: float = 0.0):
+        self.check_config(max_turns=max_turns, max_operand=max_operand, ops=ops,
+                          action_format=action_format)
         self.max_turns, self.max_operand, self.ops = max_turns, max_operand, tuple(ops)
         self.action_format: ActionFormat = action_format
         self.format_penalty, self.tool_cost = format_penalty, tool_cost

@@ -51,10 +51,15 @@ def parse_answer(text: str, style: Literal["compact", "tagged"] = "compact") -> 
 class WordAnswer:
     """One-turn question answering scored by a reward model (see module docstring)."""
 
-    def __init__(self, max_turns: int = 1, answer_style: Literal["compact", "tagged"] = "compact",
-                 format_penalty: float = 0.0):
+    @staticmethod
+    def check_config(max_turns: int = 1, **_) -> None:
+        """Argument checks, run by the config loader without building an instance."""
         if max_turns < 1:
             raise ValueError("max_turns must be at least 1")
+
+    def __init__(self, max_turns: int = 1, answer_style: Literal["compact", "tagged"] = "compact",
+                 format_penalty: float = 0.0):
+        self.check_config(max_turns=max_turns)
         self.max_turns, self.answer_style, self.format_penalty = max_turns, answer_style, format_penalty
         self._question, self._reference = QUESTIONS[0]
         self._turn = 0
