@@ -2,9 +2,9 @@
 
 Prefill reads a whole prompt in one pass: its time is bound by FLOPs. Decode emits one token per
 pass for a batch of sequences and re-reads the weights and the KV cache each time: its time is
-bound by memory bandwidth (arXiv 2512.22560, Sec. 3.1). For each candidate pool we estimate the
-time of a representative unit of work with the roofline ``max(flops / peak, bytes / bandwidth)``
-and choose the pool with the lowest time, or the lowest time x price (``objective: cost``).
+bound by memory bandwidth (arXiv 2512.22560, Sec. 3.1). For each candidate pool the device model
+(:mod:`resources.device_model`, a roofline) gives the time of a representative unit of work, and
+the router chooses the pool with the lowest time, or the lowest time x price (``objective: cost``).
 With a single kind of device every stage lands on it: that is colocation, and the monolithic
 placement is exactly this case.
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from resources.catalog import HardwareProfile, get_profile
+from resources.device_model import DeviceModel, ModelSpec, model_spec
 from resources.pools import PoolSpec, Role, Stage, Tag
 
 
@@ -29,6 +30,10 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = Field(default=None, description="A device-model preset (dense-8b, "
+                              "dense-32b, moe-30b-a3b) or a Hugging Face config.json; null: a "
+                              "dense model of `params` with `kv_bytes_per_token`")
+    gpus_per_engine: int = Field(default=1, ge=1, description="Devices one engine spans")
     params: float = Field(default=7e9, gt=0, description="Policy parameters")
     bytes_per_param: float = Field(default=2.0, gt=0, description="2 for bf16 weights")
     kv_bytes_per_token: float = Field(
@@ -39,19 +44,32 @@ class Workload(BaseModel):
     mfu: float = Field(default=0.5, gt=0, le=1, description="Fraction of peak FLOP/s reached")
     mbu: float = Field(default=0.8, gt=0, le=1, description="Fraction of peak bandwidth reached")
 
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                model_spec(v)
+            except (KeyError, OSError, ValueError) as exc:
+                raise ValueError(str(exc).strip("'\"")) from None
+        return v
+
+
+def workload_model(w: Workload) -> ModelSpec:
+    if w.model is not None:
+        return model_spec(w.model)
+    return ModelSpec(name="workload", params_total=w.params, params_active=w.params,
+                     kv_bytes_per_token=w.kv_bytes_per_token, bytes_per_param=w.bytes_per_param)
+
 
 def stage_time(stage: Stage, hw: HardwareProfile, w: Workload) -> float:
-    """Roofline estimate, in seconds, of one prefill or one decode step of a batch."""
-    weight_bytes = w.params * w.bytes_per_param
+    """Device-model time, in seconds, of one prefill or one decode step of a batch."""
+    dm = DeviceModel(workload_model(w), hw, w.gpus_per_engine, w.mfu, w.mbu)
     if stage is Stage.PREFILL:
-        flops = 2.0 * w.params * w.prefill_tokens
-        bytes_moved = weight_bytes + w.kv_bytes_per_token * w.prefill_tokens
-    elif stage is Stage.DECODE:
-        flops = 2.0 * w.params * w.decode_batch
-        bytes_moved = weight_bytes + w.kv_bytes_per_token * w.context_tokens * w.decode_batch
-    else:
-        raise ValueError(f"the cost model routes prefill and decode, not {stage}")
-    return max(flops / (hw.peak_flops * w.mfu), bytes_moved / (hw.mem_bandwidth * w.mbu))
+        return dm.prefill_time(w.prefill_tokens)
+    if stage is Stage.DECODE:
+        return dm.decode_step_time([w.context_tokens] * w.decode_batch)
+    raise ValueError(f"the cost model routes prefill and decode, not {stage}")
 
 
 def stage_score(stage: Stage, hw: HardwareProfile, w: Workload, objective: Objective) -> float:

@@ -98,6 +98,7 @@ def test_wrapped_environments_are_checked_without_being_built(override):
     ("trainer.loss.typo=1", "trainer.loss"),
     ("engine.backend.bogus=2", "engine.backend"),
     ("trainer.backend.nope=3", "trainer.backend"),
+    ("affinity.workload.model=no-such-model", "affinity.workload.model"),
 ])
 def test_component_arguments_are_checked_at_start(override, key):
     with pytest.raises(ConfigError) as exc:
