@@ -187,9 +187,13 @@ class RewardConfig(_Strict):
                                         "error; then its trajectories are dropped with reason")
     emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
 
+    def function_of(self, env_task: EnvTaskConfig) -> str:
+        """The Lambda function that scores ``env_task``."""
+        return env_task.lambda_function or self.lambda_function
+
     def functions(self, env_tasks: list[EnvTaskConfig]) -> set[str]:
         """The Lambda functions the run calls."""
-        return {t.lambda_function or self.lambda_function for t in env_tasks}
+        return {self.function_of(t) for t in env_tasks}
 
     def client_settings(self, emulator_url: str | None) -> dict:
         """What a reward client is built from (``build_reward_client``): these settings, the
@@ -438,8 +442,7 @@ def _check_components(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.loss.{sorted(loss_kwargs)[0]}: set it in trainer.hparams "
                           "(the trainer passes it to the loss)")
     tensors = [None] * 5  # logp, prox_logp, behaviour_logp, advantages, mask
-    checks = [(f"env_tasks.{i}.env", lambda spec: check_component(spec), t.env)
-              for i, t in enumerate(cfg.env_tasks)]
+    checks = [(f"env_tasks.{i}.env", check_component, t.env) for i, t in enumerate(cfg.env_tasks)]
     checks += [
         ("engine.backend", lambda spec: check_signature(spec, policy=None, max_batch=1),
          cfg.engine.backend),

@@ -105,9 +105,9 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     try:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
-        logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml",
-                    resolved_yaml(cfg))
+        resolved = resolved_yaml(cfg)
+        (run_dir / "config.yaml").write_text(resolved)
+        logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml", resolved)
         sink = make_sink(cfg.metrics.sink, run_dir)
         cluster = make_cluster(cfg, scheduler)
         dashboard(f"Dask dashboard: {cluster.dashboard_link}")

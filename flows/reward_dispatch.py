@@ -74,8 +74,7 @@ class RewardDispatcher:
         self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
         self.run_id = run_id
         self.reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
-        self.lambda_function = {t.name: t.lambda_function or cfg.reward.lambda_function
-                                for t in cfg.env_tasks}
+        self.lambda_function = {t.name: cfg.reward.function_of(t) for t in cfg.env_tasks}
         # one score task carries what the client can send at once; it fans the burst out itself
         self.score_task_max = cfg.reward.batch_max * cfg.reward.concurrency
         self.stats = RewardStats()

@@ -7,6 +7,7 @@ Hugging Face causal-LM directory instead, and its chat template is applied when 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -98,15 +99,26 @@ def encode_first_turn(tokenizer, observation: str, system_prompt: str | None = N
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def assistant_suffix(tokenizer) -> list[int]:
-    """The ids the chat template writes after an assistant message's content (ChatML:
-    ``<|im_end|>`` ``\\n``): the common tail of two renderings that differ only in that content."""
-    a, b = (_render(tokenizer, [{"role": "user", "content": "x"},
-                                {"role": "assistant", "content": c}], False) for c in ("y", "z"))
+_BASE_TURN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+@functools.lru_cache(maxsize=16)
+def _template_turn(tokenizer, chat_template: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What every turn's encoding reuses, rendered once per tokenizer and template: a
+    one-exchange conversation, and the ids the template writes after an assistant message's
+    content (the common tail of two renderings that differ only in that content)."""
+    a = _render(tokenizer, _BASE_TURN, False)
+    b = _render(tokenizer, [_BASE_TURN[0], {"role": "assistant", "content": "z"}], False)
     n = 0
     while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
         n += 1
-    return a[len(a) - n:]
+    return tuple(a), tuple(a[len(a) - n:])
+
+
+def assistant_suffix(tokenizer) -> list[int]:
+    """The ids the chat template writes after an assistant message's content (ChatML:
+    ``<|im_end|>`` ``\\n``)."""
+    return list(_template_turn(tokenizer, tokenizer.chat_template)[1])
 
 
 def encode_next_turn(tokenizer, observation: str, response_ids: list[int]) -> list[int]:
@@ -117,12 +129,10 @@ def encode_next_turn(tokenizer, observation: str, response_ids: list[int]) -> li
     token if the response did not stop, then the observation and a newline."""
     last = response_ids[-1] if response_ids else None
     if tokenizer.chat_template:
-        suffix = assistant_suffix(tokenizer)
-        closing = suffix[1:] if suffix and last == suffix[0] else suffix
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        before = _render(tokenizer, base, False)
-        after = _render(tokenizer, base + [{"role": "user", "content": observation}], True)
-        if after[: len(before)] != before:
+        before, suffix = _template_turn(tokenizer, tokenizer.chat_template)
+        closing = list(suffix[1:] if suffix and last == suffix[0] else suffix)
+        after = _render(tokenizer, _BASE_TURN + [{"role": "user", "content": observation}], True)
+        if tuple(after[: len(before)]) != before:
             raise ValueError("chat template is not prefix-stable; cannot encode turns incrementally")
         return closing + after[len(before):]
     closing = [] if last in stop_token_ids(tokenizer) else [tokenizer.eos_token_id]
