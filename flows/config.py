@@ -33,10 +33,13 @@ from pydantic import (
 )
 
 from flows.orchestration import min_max_staleness
+from flows.workload import TurnShapeConfig
 from resources.affinity import Objective, Workload
-from resources.catalog import CATALOG, HardwareProfile
+from resources.catalog import CATALOG, HardwareProfile, get_profile
+from resources.emulated import DeviceEmulation
 from resources.pools import PoolSpec, Role
-from tasks.components import COMPONENT, check_component, check_signature, describe
+from resources.worker import backend_context
+from tasks.components import COMPONENT, check_component, check_signature, describe, resolve
 from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec
 from tasks.reward_service import resolve_reward
@@ -121,6 +124,9 @@ class EnvTaskConfig(_Strict):
     sampling: SamplingConfig | None = Field(default=None,
                                             description="Overrides rollout.sampling for this "
                                                         "env task")
+    shape: TurnShapeConfig | None = Field(
+        default=None, description="Virtual prompt and response lengths per turn on emulated "
+                                  "devices (flows.workload); null: the real lengths")
 
     def reward_name(self) -> str:
         """What this env task's score requests call its reward: the dotted path, or for a
@@ -215,11 +221,49 @@ class TrainerConfig(_Strict):
     resume_from: str | None = Field(default=None, description="checkpoint.pt to resume from")
 
 
+# engine.backend may name a built-in backend instead of giving its component spec
+BACKENDS = {"hf": "resources.engine.hf_backend",
+            "emulated": "resources.emulated.emulated_backend"}
+
+
+def _backend_spec(v: Any) -> Any:
+    if isinstance(v, str):
+        if v not in BACKENDS:
+            raise ValueError(f"unknown backend {v!r}: one of {sorted(BACKENDS)} or "
+                             "{_component_: ...}")
+        return {COMPONENT: BACKENDS[v]}
+    return _component_spec(v)
+
+
 class EngineConfig(_Strict):
-    backend: ComponentSpec = Field(
-        default_factory=lambda: {COMPONENT: "resources.engine.hf_backend"},
-        description="Inference backend (tasks.inference.InferenceBackend), called with policy "
-                    "and max_batch on every inference worker")
+    backend: Annotated[dict[str, Any], BeforeValidator(_backend_spec)] = Field(
+        default_factory=lambda: {COMPONENT: BACKENDS["hf"]},
+        description="Inference backend (tasks.inference.InferenceBackend) on every inference "
+                    "worker: hf | emulated | {_component_: ...}, called with policy and "
+                    "max_batch (and the worker's hardware, gpus, device, time_scale and "
+                    "engine_id when it takes them)")
+    time_scale: float = Field(default=1.0, gt=0, description="Multiplies every emulated wait "
+                              "(device time, environment and reward latency): shrinks a "
+                              "benchmark's wall time, every ratio kept")
+    device: DeviceEmulation = Field(default_factory=DeviceEmulation,
+                                    description="The production model and efficiencies the "
+                                                "emulated backend and trainer emulate")
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the backend is the emulated one (the trainer is then emulated too)."""
+        from resources.emulated import emulated_backend
+
+        try:
+            return resolve(self.backend[COMPONENT]) is emulated_backend
+        except ImportError:
+            return False
+
+    def emulation(self) -> dict | None:
+        """What the workers need to emulate devices (None: a real backend)."""
+        if not self.emulated:
+            return None
+        return {"device": self.device.model_dump(), "time_scale": self.time_scale}
 
 
 class ClusterConfig(_Strict):
@@ -334,9 +378,16 @@ class TrainConfig(_Strict):
         hardware = [p for p in self.cluster.pools if p.role is not Role.SERVERLESS]
         total = sum(p.workers for p in hardware)
         slots = max(p.slots for p in hardware)
+        gpus = max(p.gpus for p in hardware)
         return [PoolSpec(name="monolithic", profile=self.cluster.monolithic_profile, role=Role.ALL,
-                         workers=total, slots=slots)] + [
+                         workers=total, slots=slots, gpus=gpus)] + [
             p for p in self.cluster.pools if p.role is Role.SERVERLESS]
+
+
+    def pool_hardware(self) -> dict[str, tuple[dict, int]]:
+        """Each effective pool's hardware profile and devices per worker."""
+        return {p.name: (get_profile(p.profile, self.affinity.profiles).model_dump(), p.gpus)
+                for p in self.effective_pools()}
 
 
 def _parse_value(text: str) -> Any:
@@ -444,7 +495,9 @@ def _check_components(cfg: TrainConfig) -> None:
     tensors = [None] * 5  # logp, prox_logp, behaviour_logp, advantages, mask
     checks = [(f"env_tasks.{i}.env", check_component, t.env) for i, t in enumerate(cfg.env_tasks)]
     checks += [
-        ("engine.backend", lambda spec: check_signature(spec, policy=None, max_batch=1),
+        ("engine.backend", lambda spec: check_signature(
+            spec, policy=None, max_batch=1, **backend_context(
+                resolve(spec[COMPONENT]), CATALOG["H800"], 1, cfg.engine.emulation() or {})),
          cfg.engine.backend),
         ("trainer.backend", lambda spec: check_signature(spec, policy=None, hparams=None, seed=0,
                                                          loss=None), cfg.trainer.backend),

@@ -46,6 +46,7 @@ class RolloutRecord:
     responses: list[str] = field(default_factory=list)
     env_step_s: float = 0.0
     handle: EnvHandle | None = None
+    virtual_tokens: int = 0
 
     @property
     def evaluation(self) -> bool:
@@ -57,6 +58,7 @@ class RolloutRecord:
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None
         self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None
+        self.virtual_tokens = 0
 
     def record_turn(self, obs: EnvObservation) -> None:
         """Append one finished turn: the tokens read before the action, then the action."""
@@ -72,6 +74,7 @@ class RolloutRecord:
         self.env_rewards.append(obs.reward)
         self.responses.append(s.text)
         self.env_step_s += obs.step_seconds
+        self.virtual_tokens += s.virtual_tokens
         self.turn += 1
 
     def to_trajectory(self, last: EnvObservation, context_limited: bool) -> Trajectory:
@@ -86,6 +89,7 @@ class RolloutRecord:
             attempt=self.attempt, success=bool(last.info.get("success", False)),
             format_errors=int(last.info.get("format_errors", 0)), env_step_s=self.env_step_s,
             evaluation=self.evaluation, forward_oldest_version=self.forward_oldest,
+            virtual_tokens=self.virtual_tokens,
         )
 
 

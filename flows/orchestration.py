@@ -172,7 +172,8 @@ class GroupCollector:
             ages.extend(staleness(trainer_version, t) for t in fresh)
             adv = group_advantages([t.reward for t in fresh], self.normalise_std)
             for t, a in zip(fresh, adv, strict=True):
-                samples.append(TrainSample(t.token_ids, t.loss_mask, t.behaviour_logprobs, a))
+                samples.append(TrainSample(t.token_ids, t.loss_mask, t.behaviour_logprobs, a,
+                                           t.virtual_tokens))
                 kept.append(t)
         return BatchDecision(samples, kept, stale, ages, orphaned)
 

@@ -39,8 +39,11 @@ from flows.episode import (
 )
 from flows.metrics import batch_metrics
 from flows.orchestration import GroupCollector, GroupDraw, decode_seed
+from flows.workload import turn_shape
+from resources.catalog import HardwareProfile
 from resources.reward_backends import build_reward_client
-from tasks.components import bind, instantiate
+from resources.worker import backend_context
+from tasks.components import COMPONENT, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.policy import load_tokenizer
 from tasks.records import TrainBatch, Trajectory
@@ -55,7 +58,11 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
     cfg = validate(cfg)
     st = stages or Stages()
     # -- the parts: one inference backend, one trainer, environments, a reward client ---------
-    backend = instantiate(cfg.engine.backend, policy=cfg.policy, max_batch=1)
+    pools = cfg.effective_pools()
+    profile, gpus = cfg.pool_hardware()[pools[0].name]
+    backend = instantiate(cfg.engine.backend, policy=cfg.policy, max_batch=1, **backend_context(
+        resolve(cfg.engine.backend[COMPONENT]), HardwareProfile(**profile), gpus,
+        cfg.engine.emulation() or {}, "reference"))
     trainer = instantiate(cfg.trainer.backend, policy=cfg.policy, hparams=cfg.trainer_hparams(),
                           seed=cfg.seed, loss=bind(cfg.trainer.loss))
     tokenizer = load_tokenizer(cfg.policy)
@@ -86,9 +93,12 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
                                f"reference.{rec.traj_id}.0", cfg.policy.system_prompt)
             past = None
             while True:
-                prefilled = st.prefill(backend, past, obs)
+                shape = turn_shape(rec.env_task.shape, cfg.seed, rec.traj_id, rec.turn,
+                                   rec.attempt)
+                prefilled = st.prefill(backend, past, obs, shape=shape)
                 past = st.decode(backend, prefilled, past, sampling[rec.env_task.name],
-                                 decode_seed(cfg.seed, rec.traj_id, rec.turn, rec.attempt))
+                                 decode_seed(cfg.seed, rec.traj_id, rec.turn, rec.attempt),
+                                 shape=shape)
                 nxt = st.env_step(envs, tokenizer, obs, st.response(past))
                 rec.record_turn(nxt)
                 over, context_limited = turn_ends(rec, nxt, sampling[rec.env_task.name]

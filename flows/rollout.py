@@ -20,6 +20,7 @@ from flows.config import EnvTaskConfig, TrainConfig
 from flows.episode import RolloutRecord, sampling_params, turn_ends
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.orchestration import Router, decode_seed
+from flows.workload import turn_shape
 from resources.pools import Stage, Tag, demand
 from resources.worker import plain, with_backend, with_envs, with_registry
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory
@@ -115,12 +116,13 @@ class RolloutDriver:
         rec.decode_worker = self.router.choose(Tag.GPU_BANDWIDTH, prefer=rec.decode_worker)
         rec.prefill_worker = self.router.choose(Tag.GPU_COMPUTE, prefer=rec.decode_worker)
         st = self.stages
+        shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn, rec.attempt)
         pre = self._submit(Stage.PREFILL, with_backend, st.prefill, rec.last_decode, observation,
-                           worker=rec.prefill_worker, key=f"prefill-{suffix}")
+                           shape=shape, worker=rec.prefill_worker, key=f"prefill-{suffix}")
         dec = self._submit(
             Stage.DECODE, with_backend, st.decode, pre, rec.last_decode,
             params=(self.eval_sampling if rec.evaluation else self.sampling)[rec.env_task.name],
-            seed=decode_seed(self.cfg.seed, rec.traj_id, rec.turn, rec.attempt),
+            seed=decode_seed(self.cfg.seed, rec.traj_id, rec.turn, rec.attempt), shape=shape,
             worker=rec.decode_worker, key=f"decode-{suffix}")
         resp = self._submit(Stage.RESPONSE, plain, st.response, dec, worker=rec.decode_worker,
                             key=f"response-{suffix}")

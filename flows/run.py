@@ -98,7 +98,9 @@ class TrainingRun:
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
             hparams=cfg.trainer_hparams().model_dump(),
-            reward=self.reward_cfg, reward_functions=reward_callables(cfg)))
+            reward=self.reward_cfg, reward_functions=reward_callables(cfg),
+            pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
+            emulation=cfg.engine.emulation()))
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             # new group seeds after a resume, not a replay of the first run's

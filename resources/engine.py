@@ -28,7 +28,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tasks.generation import kv_decode, kv_prefill
 from tasks.policy import PolicySpec, kv_geometry, load_policy, stop_token_ids
-from tasks.records import DecodeOutput, KVCache, PrefillOutput, SamplingParams, WeightsSnapshot
+from tasks.records import (
+    DecodeOutput,
+    KVCache,
+    PrefillOutput,
+    SamplingParams,
+    TurnShape,
+    WeightsSnapshot,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -222,11 +229,13 @@ class HFBackend:
     def version(self) -> int:
         return self.engine.version
 
-    def prefill(self, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
+    def prefill(self, cache: KVCache | None, new_ids: list[int],
+                shape: TurnShape | None = None) -> PrefillOutput:
+        """``shape`` (virtual lengths) means nothing to a real engine."""
         return kv_prefill(self.engine, cache, new_ids)
 
     def decode(self, prefilled: PrefillOutput, cache: KVCache | None, params: SamplingParams,
-               seed: int) -> DecodeOutput:
+               seed: int, shape: TurnShape | None = None) -> DecodeOutput:
         return kv_decode(self.engine, prefilled, cache, self.tokenizer, params, self.stop_ids,
                          self.max_context, seed)
 

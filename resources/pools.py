@@ -83,3 +83,5 @@ class PoolSpec(BaseModel):
     workers: int = Field(default=1, ge=1, description="Worker processes in the pool")
     slots: int = Field(default=32, ge=1, description="Concurrent tasks per worker (resource total)")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker")
+    gpus: int = Field(default=1, ge=1, description="Devices behind each worker (one engine's "
+                      "tensor parallelism): what emulated devices and hourly cost count")

@@ -18,7 +18,8 @@ import torch
 from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from tasks.components import COMPONENT, bind, instantiate
+from resources.catalog import HardwareProfile
+from tasks.components import COMPONENT, accepts, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.inference import InferenceBackend
 from tasks.policy import PolicySpec, load_tokenizer
@@ -30,21 +31,36 @@ PLUGIN_NAME = "rollarc"
 TORCH_THREADS_ENV = "ROLLARC_TORCH_THREADS"
 
 
+def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,
+                    engine_id: str = "engine") -> dict[str, Any]:
+    """What a backend factory is given beside ``policy`` and ``max_batch``: the worker's
+    ``hardware`` and ``gpus``, the ``device`` and ``time_scale`` of ``engine`` config, and an
+    ``engine_id``, each only if the factory takes it (the ``hf`` backend takes none)."""
+    offered = {"hardware": hardware, "gpus": gpus, "engine_id": engine_id, **emulation}
+    return {k: v for k, v in offered.items() if accepts(factory, k)}
+
+
 class RollArcWorkerPlugin(WorkerPlugin):
     """Holds one worker's inference backend, environments, tokenizer, trainer and reward clients.
 
     ``backend`` and ``trainer`` are component specs (``{_component_: path or object, ...}``),
-    called as ``backend(policy=PolicySpec, max_batch=int)`` and ``trainer(policy=PolicySpec,
-    hparams=TrainerHParams, seed=int, loss=LossFn)``; ``reward_functions`` are Python reward
-    callables by name, for the ``local`` reward backend. Dask pickles the plugin (cloudpickle),
-    so objects defined in a notebook reach the workers with it.
+    called as ``backend(policy=PolicySpec, max_batch=int, **backend_context(...))`` and
+    ``trainer(policy=PolicySpec, hparams=TrainerHParams, seed=int, loss=LossFn)``;
+    ``reward_functions`` are Python reward callables by name, for the ``local`` reward backend.
+    ``pool_hardware`` maps pool names to ``(profile, gpus)``: a worker named ``<pool>-<i>`` is
+    one engine of its pool's (others: of ``default_pool``'s). With ``emulation``
+    (``{"device": ..., "time_scale": ...}``) the trainer's steps and weight exports take
+    device-model time too, and environments that take a ``time_scale`` get it. Dask pickles the
+    plugin (cloudpickle), so objects defined in a notebook reach the workers with it.
     """
 
     name = PLUGIN_NAME
 
     def __init__(self, policy: dict, backend: dict | None = None, trainer: dict | None = None,
                  hparams: dict | None = None, loss: dict | None = None, seed: int = 0,
-                 reward: dict | None = None, reward_functions: dict[str, Any] | None = None):
+                 reward: dict | None = None, reward_functions: dict[str, Any] | None = None,
+                 pool_hardware: dict[str, tuple[dict, int]] | None = None,
+                 default_pool: str | None = None, emulation: dict | None = None):
         self.policy_spec = policy
         self.backend_spec = backend or {COMPONENT: "resources.engine.hf_backend"}
         self.trainer_spec = trainer or {COMPONENT: "tasks.trainer.policy_trainer"}
@@ -53,6 +69,9 @@ class RollArcWorkerPlugin(WorkerPlugin):
         self.seed = seed
         self.reward_cfg = reward or {"backend": "local"}
         self.reward_functions = dict(reward_functions or {})
+        self.pool_hardware = dict(pool_hardware or {})
+        self.default_pool = default_pool
+        self.emulation = emulation
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
@@ -64,6 +83,15 @@ class RollArcWorkerPlugin(WorkerPlugin):
         torch.set_num_threads(int(os.environ.get(TORCH_THREADS_ENV, "1")))
         # the engine batches up to as many requests as the worker runs tasks at once
         self.engine_max_batch = max(1, int(worker.state.nthreads))
+        self.worker_name = str(worker.name)
+        pool = self.worker_name.rsplit("-", 1)[0]
+        profile, self.gpus = self.pool_hardware.get(
+            pool, self.pool_hardware.get(self.default_pool, (None, 1)))
+        self.hardware = HardwareProfile(**profile) if profile else None
+
+    @property
+    def time_scale(self) -> float:
+        return self.emulation["time_scale"] if self.emulation else 1.0
 
     def teardown(self, worker) -> None:
         if self._backend is not None:
@@ -86,8 +114,10 @@ class RollArcWorkerPlugin(WorkerPlugin):
     def backend(self) -> InferenceBackend:
         with self._lock:
             if self._backend is None:
+                context = backend_context(resolve(self.backend_spec[COMPONENT]), self.hardware,
+                                          self.gpus, self.emulation or {}, self.worker_name)
                 self._backend = instantiate(self.backend_spec, policy=self.spec,
-                                            max_batch=self.engine_max_batch)
+                                            max_batch=self.engine_max_batch, **context)
                 logger.info("inference backend loaded on %s", self.address)
             return self._backend
 
@@ -95,7 +125,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
     def envs(self) -> EnvRegistry:
         with self._lock:
             if self._envs is None:
-                self._envs = EnvRegistry(self.address)
+                self._envs = EnvRegistry(self.address, self.time_scale)
             return self._envs
 
     @property
@@ -106,6 +136,13 @@ class RollArcWorkerPlugin(WorkerPlugin):
                 self._trainer = instantiate(self.trainer_spec, policy=self.spec,
                                             hparams=TrainerHParams(**self.hparams),
                                             seed=self.seed, loss=loss)
+                if self.emulation:
+                    from resources.emulated import DeviceEmulation, EmulatedTrainer, device_of
+
+                    device = device_of(self.hardware, self.gpus,
+                                       DeviceEmulation(**self.emulation["device"]))
+                    self._trainer = EmulatedTrainer(self._trainer, device,
+                                                    self.emulation["time_scale"])
             return self._trainer
 
     def reward_client(self, lambda_function: str):
@@ -127,7 +164,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
             out["envs"] = {"live": self._envs.live, "created": self._envs.created,
                            "closed": self._envs.closed}
         if self._trainer is not None:
-            out["trainer"] = {"version": self._trainer.version}
+            out["trainer"] = {"version": self._trainer.version,
+                              "emulated_busy_s": getattr(self._trainer, "busy_s", None)}
         if self._reward_clients:
             out["reward_ledger"] = {n: {"keys": len(c.ledger), "duplicates": c.ledger.duplicates}
                                     for n, c in self._reward_clients.items()}

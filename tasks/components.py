@@ -77,6 +77,15 @@ def check_component(spec: dict[str, Any]) -> Any:
     return obj
 
 
+def accepts(obj: Any, name: str) -> bool:
+    """Whether calling ``obj`` takes a keyword argument ``name``."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def describe(obj: Any) -> str:
     """A stable, readable name of a component (a dotted path stays as it is)."""
     if isinstance(obj, str):

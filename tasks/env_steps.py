@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from tasks.components import instantiate
+from tasks.components import COMPONENT, accepts, instantiate, resolve
 from tasks.policy import encode_first_turn, encode_next_turn
 from tasks.records import EnvHandle, EnvObservation, TurnSample
 
@@ -18,15 +18,19 @@ from tasks.records import EnvHandle, EnvObservation, TurnSample
 class EnvRegistry:
     """Environment instances of one worker, by id, with a live-instance count."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, time_scale: float = 1.0):
         self.address = address
+        # environments that emulate remote latency (they take a time_scale) wait this much less
+        self.time_scale = time_scale
         self._envs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.created = 0
         self.closed = 0
 
     def create(self, spec: dict, instance_id: str) -> Any:
-        env = instantiate(spec)
+        scaled = (self.time_scale != 1.0 and "time_scale" not in spec
+                  and accepts(resolve(spec[COMPONENT]), "time_scale"))
+        env = instantiate(spec, **({"time_scale": self.time_scale} if scaled else {}))
         with self._lock:
             if instance_id in self._envs:
                 raise KeyError(f"environment {instance_id} already exists on {self.address}")

@@ -24,21 +24,25 @@ from tasks.records import (
     PrefillOutput,
     SamplingParams,
     TurnSample,
+    TurnShape,
     WeightsSnapshot,
 )
 
 # -- stage functions (one Dask task each) -----------------------------------------------------
 
 
-def prefill(backend, past: DecodeOutput | None, observation: EnvObservation):
+def prefill(backend, past: DecodeOutput | None, observation: EnvObservation,
+            shape: TurnShape | None = None):
     """Read the observation's tokens after the trajectory's cache so far."""
-    return backend.prefill(past.cache if past is not None else None, list(observation.input_ids))
+    return backend.prefill(past.cache if past is not None else None, list(observation.input_ids),
+                           shape=shape)
 
 
 def decode(backend, prefilled, past: DecodeOutput | None, params: SamplingParams,
-           seed: int) -> DecodeOutput:
+           seed: int, shape: TurnShape | None = None) -> DecodeOutput:
     """Sample the turn's response from what prefill left."""
-    return backend.decode(prefilled, past.cache if past is not None else None, params, seed)
+    return backend.decode(prefilled, past.cache if past is not None else None, params, seed,
+                          shape=shape)
 
 
 def response_of(decoded: DecodeOutput) -> TurnSample:

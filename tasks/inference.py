@@ -9,8 +9,8 @@ different pools.
 
 One turn is two calls, each its own Dask task on its own pool::
 
-    prefilled = backend.prefill(cache, new_ids)             # GPU_COMPUTE: reads new tokens
-    turn = backend.decode(prefilled, cache, params, seed)   # GPU_BANDWIDTH: samples a response
+    prefilled = backend.prefill(cache, new_ids, shape=shape)            # GPU_COMPUTE
+    turn = backend.decode(prefilled, cache, params, seed, shape=shape)  # GPU_BANDWIDTH
     turn.cache   -> the next turn's ``cache`` (covers every token so far)
     turn.sample  -> TurnSample: token ids, behaviour log-probs, versions, text, stop flags
 
@@ -22,10 +22,15 @@ Contract:
   ``TurnSample.oldest_version`` is the oldest version of *any* forward pass of the turn,
   KV-only ones included (prefill, and decode passes that only extend the cache), because later
   turns read that KV: staleness counts it.
+- ``shape`` (a :class:`tasks.records.TurnShape` or None) gives the turn's *virtual* prompt and
+  response lengths on emulated devices; a real backend ignores it.
 - ``load_weights`` switches at a safe point (between forward passes), never to an older version,
   and returns the version in use.
 - Returned records hold CPU numpy arrays or plain Python, never CUDA or bf16 tensors (Dask's
   torch serialiser handles neither).
+
+The ``emulated`` backend (:mod:`resources.emulated`) wraps a real one and makes each call take
+the time a production GPU would (continuous batching, KV memory, hand-off transfers).
 
 The ``hf`` backend (:class:`resources.engine.HFBackend`, transformers on CPU or GPU) returns the
 KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits, and the cache handle is
@@ -60,7 +65,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from tasks.records import DecodeOutput, SamplingParams, WeightsSnapshot
+from tasks.records import DecodeOutput, SamplingParams, TurnShape, WeightsSnapshot
 
 # What prefill returns and decode reads: backend-defined, picklable, opaque to the flows.
 Prefilled = Any
@@ -77,12 +82,13 @@ class InferenceBackend(Protocol):
         """Weights version in use (-1 before the first load)."""
         ...
 
-    def prefill(self, cache: CacheHandle | None, new_ids: list[int]) -> Prefilled:
+    def prefill(self, cache: CacheHandle | None, new_ids: list[int],
+                shape: TurnShape | None = None) -> Prefilled:
         """Read ``new_ids`` after ``cache``; what ``decode`` starts from."""
         ...
 
     def decode(self, prefilled: Prefilled, cache: CacheHandle | None, params: SamplingParams,
-               seed: int) -> DecodeOutput:
+               seed: int, shape: TurnShape | None = None) -> DecodeOutput:
         """Sample one response; the output's ``cache`` covers the whole conversation so far."""
         ...
 

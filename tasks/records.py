@@ -56,6 +56,18 @@ class TurnSample:
     # the oldest weights of any forward pass of this turn, KV-only passes included: later turns
     # read that KV, so a trajectory's staleness counts it (-1: no pass recorded)
     oldest_version: int = -1
+    # tokens the turn stood for on an emulated production engine (prompt read + response
+    # generated; 0 on a real engine): what the emulated trainer's step time counts
+    virtual_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TurnShape:
+    """The lengths a turn has on an emulated production engine, drawn per turn by the flows
+    from the env task's workload shape: the tiny policy's real tokens stand for them."""
+
+    prompt_tokens: int  # new tokens prefill reads (the observation / tool output of this turn)
+    response_tokens: int  # tokens decode generates
 
 
 @dataclass
@@ -148,6 +160,7 @@ class Trajectory:
     reward_details: dict = field(default_factory=dict)
     # oldest weights of any forward pass, KV-only passes included (TurnSample.oldest_version)
     forward_oldest_version: int | None = None
+    virtual_tokens: int = 0  # TurnSample.virtual_tokens summed over the turns
 
     @property
     def oldest_version(self) -> int:
@@ -224,6 +237,7 @@ class TrainSample:
     loss_mask: np.ndarray
     behaviour_logprobs: np.ndarray
     advantage: float
+    virtual_tokens: int = 0  # Trajectory.virtual_tokens (emulated trainers count these)
 
 
 @dataclass

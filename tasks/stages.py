@@ -32,6 +32,7 @@ from tasks.records import (
     TrainBatch,
     TrainStats,
     TurnSample,
+    TurnShape,
     WeightsSnapshot,
 )
 from tasks.scoring import score
@@ -39,13 +40,14 @@ from tasks.trainer import load_checkpoint, publish_weights, save_checkpoint, tra
 
 
 class PrefillFn(Protocol):
-    def __call__(self, backend: Any, past: DecodeOutput | None,
-                 observation: EnvObservation) -> Any: ...
+    def __call__(self, backend: Any, past: DecodeOutput | None, observation: EnvObservation,
+                 shape: TurnShape | None = None) -> Any: ...
 
 
 class DecodeFn(Protocol):
     def __call__(self, backend: Any, prefilled: Any, past: DecodeOutput | None,
-                 params: SamplingParams, seed: int) -> DecodeOutput: ...
+                 params: SamplingParams, seed: int,
+                 shape: TurnShape | None = None) -> DecodeOutput: ...
 
 
 class EnvResetFn(Protocol):

@@ -11,7 +11,8 @@ a browser takes seconds, with a long tail. :class:`RemoteLatency` wraps any envi
   shape of sandboxes that mostly answer fast and now and then stall.
 
 The latency waits (``time.sleep``: a remote call holds no core) unless ``cpu_work`` is set, for
-environments whose cost is local computation. ``failure_rate`` makes a call raise
+environments whose cost is local computation; ``time_scale`` (the run's ``engine.time_scale``,
+given by the worker) shrinks every wait by one factor. ``failure_rate`` makes a call raise
 :class:`RemoteEnvError` (a sandbox that crashed or timed out); the flow retries the trajectory
 from a fresh environment and records a drop with the reason when attempts run out.
 """
@@ -100,18 +101,19 @@ class RemoteLatency:
 
     def __init__(self, env: dict[str, Any], step_latency: dict | float | None = None,
                  reset_latency: dict | float | None = None, failure_rate: float = 0.0,
-                 cpu_work: bool = False, seed: int = 0):
+                 cpu_work: bool = False, seed: int = 0, time_scale: float = 1.0):
         if not 0.0 <= failure_rate < 1.0:
             raise ValueError("failure_rate must be in [0, 1)")
         self.inner = instantiate(env)
         self.step_latency, self.reset_latency = Latency.of(step_latency), Latency.of(reset_latency)
         self.failure_rate, self.cpu_work, self.seed = failure_rate, cpu_work, seed
+        self.time_scale = time_scale  # engine.time_scale: latencies are stated unscaled
         self.max_turns = self.inner.max_turns
         self._rng = random.Random(seed)
 
     def _call(self, latency: Latency, what: str) -> float:
         seconds = latency.sample(self._rng)
-        spend(seconds, self.cpu_work)
+        spend(seconds * self.time_scale, self.cpu_work)
         if self.failure_rate and self._rng.random() < self.failure_rate:
             raise RemoteEnvError(f"remote environment failed during {what} (injected, "
                                  f"failure_rate={self.failure_rate})")
