@@ -1,89 +1,268 @@
-"""Compare the paper's baselines with RollArc, side by side in one run.
+"""The benchmark: RollArc against its baselines on emulated production GPUs, side by side.
 
-Runs ``flows/train.py`` once per mode (async | sync) x placement (disaggregated | monolithic) on
-the same config, each on a fresh local cluster, and prints wall time, trajectories/s, time per
-train step, time to a FrozenLake success target, and each one's ratio to async + disaggregated.
+One invocation runs every system of a workload (``config/bench/<name>.yaml``, a full training
+config on the ``emulated`` backend), the same seeds and number of train steps each, on a fresh
+local cluster each, the systems interleaved when repeated so that machine drift hits all alike:
 
-    python flows/bench.py                        # 4 modes, 20 steps each
-    python flows/bench.py --steps 60 --target 0.8  # full runs: end-to-end time to learn
-    python flows/bench.py --modes async/disaggregated sync/disaggregated -- rollout.max_staleness=3
+- **end to end**, at equal hourly GPU cost: ``rollarc`` (async, disaggregated, serverless
+  reward), ``sync-disaggregated``, ``async-monolithic`` and ``sync-monolithic`` (every stage,
+  training included, time-sharing one pool of the monolithic profile);
+- **per principle**, each against its own baseline as arXiv 2512.22560 measures it: hardware
+  affinity (the H800 + H20 split against H800-only and H20-only inference at about the same
+  hourly cost), trajectory-level against batch-level environment handling as the environment
+  latency's spread grows, redundant rollouts (spare groups) on and off, and (on a workload
+  whose reward is a model's) serverless reward instances against a dedicated reward pool
+  carved out of the inference GPUs.
+
+For each system it reports time per step (median and spread), trajectories/s, generated
+tokens/s, busy fraction per pool, staleness, drops by reason, final success per env task, each
+one's ratio to ``rollarc``, the analytic lower bound (device work per pool over its engines, the
+trainer's work, the longest trajectory) and the orchestration overhead per turn. Times are in
+emulated seconds (real / ``engine.time_scale``). Output: a Markdown table printed and saved,
+``bench.json`` with every figure, and timelines (``timeline-<system>.png``, and ``timeline.png``
+with ``rollarc`` beside ``sync-monolithic``).
+
+    python flows/bench.py --workload long_tail
+    python flows/bench.py --workload uniform --steps 6 --repeats 2
+    python flows/bench.py --workload long_tail --sections end_to_end -- engine.time_scale=0.05
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import logging
 import sys
-import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
+import yaml
 from rich.console import Console
-from rich.table import Table
 
-from flows.metrics import read_metrics
+from flows.bench_report import markdown_table, run_figures, save_timelines, system_table
+from flows.config import TrainConfig, load_config
+from flows.launch import run_training
+from resources.catalog import get_profile
+from resources.pools import Role
 
-TRAIN = Path(__file__).resolve().parent / "train.py"
-MODES = ["async/disaggregated", "sync/disaggregated", "async/monolithic", "sync/monolithic"]
+WORKLOADS = Path(__file__).resolve().parent.parent / "config" / "bench"
+SECTIONS = ("end_to_end", "affinity", "environment", "redundancy", "reward")
+# environment step latency of the trajectory- vs batch-level comparison: normal, the workload's
+# median as the mean, these fractions of it as the standard deviation (arXiv 2512.22560 Sec. 7
+# injects a mean of 10 s and a standard deviation of 1 s to 10 s)
+ENV_SPREADS = (0.1, 0.5, 1.0)
+
+logger = logging.getLogger(__name__)
 
 
-def run_mode(mode: str, steps: int, extra: list[str], run_dir: Path, target: float,
-             env_name: str) -> dict:
-    sched, placement = mode.split("/")
-    cmd = [sys.executable, str(TRAIN), "--run-dir", str(run_dir), f"mode={sched}",
-           f"placement={placement}", f"trainer.max_steps={steps}", "metrics.progress=false",
-           "cluster.dashboard_port=0", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = read_metrics(run_dir)
-    reached = next((m["perf/elapsed_s"] for m in metrics
-                    if m.get(f"env/{env_name}/success", 0) >= target), None)
-    last = metrics[-1]
-    return {"mode": mode, "elapsed_s": summary["elapsed_s"],
-            "traj_per_s": last["perf/trajectories_per_s"],
-            "step_s": summary["elapsed_s"] / max(len(metrics), 1),
-            "time_to_target_s": reached,
-            "final_success": last.get(f"env/{env_name}/success"),
-            "staleness_mean": sum(m["rollout/staleness_mean"] for m in metrics) / len(metrics)}
+@dataclass
+class System:
+    name: str
+    section: str
+    overrides: list[str] = field(default_factory=list)
+    baseline: str = "rollarc"  # what its ratio is taken against
+
+
+def gpu_cost(cfg: TrainConfig, roles: tuple[Role, ...]) -> tuple[int, float]:
+    """GPUs and USD/hour of the pools with these roles."""
+    gpus = cost = 0.0
+    for p in cfg.cluster.pools:
+        if p.role in roles:
+            n = p.workers * p.gpus
+            gpus += n
+            cost += n * get_profile(p.profile, cfg.affinity.profiles).price_per_hour
+    return int(gpus), cost
+
+
+def hardware_of(cfg: TrainConfig) -> str:
+    """'8 H800 + 4 H20 ($24.0/h)': the GPUs a config's effective pools hold."""
+    parts: dict[str, int] = {}
+    cost = 0.0
+    for p in cfg.effective_pools():
+        hw = get_profile(p.profile, cfg.affinity.profiles)
+        if hw.accelerator:
+            parts[hw.name] = parts.get(hw.name, 0) + p.workers * p.gpus
+            cost += p.workers * p.gpus * hw.price_per_hour
+    return " + ".join(f"{n} {k}" for k, n in parts.items()) + f" (${cost:.1f}/h)"
+
+
+def equal_cost_workers(cost: float, profile: str, gpus: int, cfg: TrainConfig) -> int:
+    price = get_profile(profile, cfg.affinity.profiles).price_per_hour
+    return max(1, round(cost / (price * gpus)))
+
+
+def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
+    """Every system of the chosen sections, with the overrides that make it from ``cfg``."""
+    out = [System("rollarc", "end_to_end")]
+    _, all_cost = gpu_cost(cfg, (Role.INFERENCE, Role.TRAIN))
+    mono_gpus = max(p.gpus for p in cfg.cluster.pools if p.role is not Role.SERVERLESS)
+    mono = [f"cluster.monolithic_gpus={mono_gpus}", "cluster.monolithic_workers="
+            f"{equal_cost_workers(all_cost, cfg.cluster.monolithic_profile, mono_gpus, cfg)}"]
+    if "end_to_end" in sections:
+        out += [System("sync-disaggregated", "end_to_end", ["mode=sync"]),
+                System("async-monolithic", "end_to_end", ["placement=monolithic", *mono]),
+                System("sync-monolithic", "end_to_end",
+                       ["mode=sync", "placement=monolithic", *mono])]
+    if "affinity" in sections:
+        _, inf_cost = gpu_cost(cfg, (Role.INFERENCE,))
+        inference = [p for p in cfg.cluster.pools if p.role is Role.INFERENCE]
+        others = [p.model_dump(mode="json") for p in cfg.cluster.pools
+                  if p.role is not Role.INFERENCE]
+        template = inference[0].model_dump(mode="json")
+        for profile in sorted({p.profile for p in inference}):
+            gpus = max(p.gpus for p in inference)
+            pool = template | {"name": "inference", "profile": profile, "gpus": gpus,
+                               "workers": equal_cost_workers(inf_cost, profile, gpus, cfg)}
+            pools = yaml.safe_dump([pool, *others], default_flow_style=True, width=10**6)
+            out.append(System(f"{profile}-only", "affinity", [f"cluster.pools={pools.strip()}"]))
+    if "environment" in sections:
+        for spread in ENV_SPREADS:
+            latency = env_spread(cfg, spread)
+            if not latency:
+                break
+            name = f"sync, trajectory-level env, std {spread:.0%} of mean"
+            out += [System(name, "environment", ["mode=sync", *latency]),
+                    System(name.replace("trajectory-level", "batch-level"), "environment",
+                           ["mode=sync", "rollout.env_barrier=true", *latency],
+                           baseline=name)]
+    if "reward" in sections and dedicated_reward(cfg):
+        out.append(System("dedicated reward pool", "reward", dedicated_reward(cfg)))
+    if "redundancy" in sections:
+        spare = cfg.rollout.spare_groups
+        out.append(System(f"spare groups {0 if spare else 2}", "redundancy",
+                          [f"rollout.spare_groups={0 if spare else 2}"]))
+    return out
+
+
+def env_spread(cfg: TrainConfig, spread: float) -> list[str]:
+    """Overrides giving every remote-latency environment normal step latency around its
+    median, with ``spread`` x that as the standard deviation (none when the workload has no
+    such environment)."""
+    out = []
+    for i, t in enumerate(cfg.env_tasks):
+        lat = t.env.get("step_latency")
+        if not isinstance(lat, dict):
+            continue
+        mean = (lat.get("mean_s") or lat.get("median_s") or lat.get("p50_s")
+                or lat.get("seconds") or 0.0)
+        out.append(f"env_tasks.{i}.env.step_latency={{kind: normal, mean_s: {mean}, "
+                   f"std_s: {spread * mean}}}")
+    return out
+
+
+def dedicated_reward(cfg: TrainConfig) -> list[str] | None:
+    """Overrides that move the reward model from serverless instances onto a dedicated local
+    pool of ``reward.judge.gpus`` devices taken from the inference pool of its profile."""
+    judge = cfg.reward.judge
+    if judge is None:
+        return None
+    for i, p in enumerate(cfg.cluster.pools):
+        if (p.role is Role.INFERENCE and p.profile == judge.profile and p.gpus <= judge.gpus
+                and judge.gpus % p.gpus == 0 and p.workers > judge.gpus // p.gpus):
+            return ["reward.backend=local",
+                    f"cluster.pools.{i}.workers={p.workers - judge.gpus // p.gpus}"]
+    return None
+
+
+def run_system(workload: Path, system: System, steps: int, extra: list[str],
+               run_dir: Path) -> dict:
+    cfg = load_config(workload, [*extra, *system.overrides, f"trainer.max_steps={steps}",
+                                 "metrics.progress=false", "metrics.task_stream=true",
+                                 "cluster.dashboard_port=0", "eval.every_steps=0"])
+    t0 = time.perf_counter()
+    run_training(cfg, run_dir, dashboard=lambda line: None)
+    figures = run_figures(run_dir, cfg.engine.time_scale)
+    figures["hardware"] = hardware_of(cfg)
+    figures["bench_wall_s"] = time.perf_counter() - t0
+    return figures
+
+
+def merge_repeats(runs: list[dict]) -> dict:
+    """The repeat with the median wall time, its step time the median over repeats."""
+    runs = sorted(runs, key=lambda r: r["wall_s"])
+    out = dict(runs[len(runs) // 2])
+    out["step_s_median"] = median(r["step_s_median"] for r in runs)
+    out["repeats"] = len(runs)
+    return out
+
+
+def principle_rows(results: dict[str, dict], chosen: list[System]) -> list[list]:
+    rows = []
+    for s in chosen:
+        if s.section == "end_to_end" or s.name not in results or s.baseline not in results:
+            continue
+        r, b = results[s.name], results[s.baseline]
+        rows.append([s.section, s.name, r.get("hardware"), r["step_s_median"], s.baseline,
+                     b["step_s_median"], r["step_s_median"] / b["step_s_median"]])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="train steps per mode")
-    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    p.add_argument("--target", type=float, default=0.8, help="success target for time-to-target")
-    p.add_argument("--env", default="frozenlake", help="env task whose success is tracked")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--keep", default=None, help="keep each mode's run directory under this path")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every mode")
+    p.add_argument("--workload", default="long_tail",
+                   help="a name in config/bench/ or a path to a workload YAML")
+    p.add_argument("--steps", type=int, default=8, help="train steps per system")
+    p.add_argument("--repeats", type=int, default=1, help="runs per system, interleaved")
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    p.add_argument("--out", default=None, help="output directory (default runs/bench/...)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every system")
     args = p.parse_args(argv)
-    console = Console(width=200)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.keep or tmp)
-        for mode in args.modes:
-            console.print(f"running {mode} for {args.steps} steps ...")
-            rows.append(run_mode(mode, args.steps, args.overrides,
-                                 root / mode.replace("/", "-"), args.target, args.env))
-    base = rows[0]
-    table = Table(title=f"{args.steps} train steps per mode; ratios are to {base['mode']}")
-    for col in ("mode", "wall s", "x wall", "traj/s", "x traj/s", "s/step",
-                f"s to {args.env}>={args.target}", "x to target", "final success", "staleness"):
-        table.add_column(col)
-    for r in rows:
-        ttt, bttt = r["time_to_target_s"], base["time_to_target_s"]
-        table.add_row(
-            r["mode"], f"{r['elapsed_s']:.0f}", f"{r['elapsed_s'] / base['elapsed_s']:.2f}",
-            f"{r['traj_per_s']:.1f}", f"{r['traj_per_s'] / base['traj_per_s']:.2f}",
-            f"{r['step_s']:.1f}", f"{ttt:.0f}" if ttt else "not reached",
-            f"{ttt / bttt:.2f}" if ttt and bttt else "-",
-            f"{r['final_success']:.2f}" if r["final_success"] is not None else "-",
-            f"{r['staleness_mean']:.2f}")
-    console.print(table)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    logging.basicConfig(level=logging.WARNING)
+    workload = Path(args.workload)
+    if not workload.exists():
+        workload = WORKLOADS / f"{args.workload}.yaml"
+    if not workload.exists():
+        print(f"unknown workload {args.workload!r}: one of "
+              f"{sorted(f.stem for f in WORKLOADS.glob('*.yaml'))} or a path", file=sys.stderr)
+        return 2
+    base = load_config(workload, args.overrides)
+    chosen = systems(base, tuple(args.sections))
+    out = Path(args.out or f"runs/bench/{workload.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=240)
+    started = time.perf_counter()
+    per_system: dict[str, list[dict]] = {s.name: [] for s in chosen}
+    for rep in range(args.repeats):
+        for s in chosen:
+            console.print(f"[{rep + 1}/{args.repeats}] {s.name} ({args.steps} steps) ...")
+            run_dir = out / "runs" / f"{s.name.replace(' ', '_').replace(',', '')}-{rep}"
+            per_system[s.name].append(run_system(workload, s, args.steps, args.overrides,
+                                                 run_dir))
+    results = {name: merge_repeats(runs) for name, runs in per_system.items()}
+    ts = base.engine.time_scale
+    e2e = {s.name: results[s.name] for s in chosen if s.section == "end_to_end"}
+    report = [f"# {workload.stem}: {args.steps} train steps per system, "
+              f"{args.repeats} repeat(s); emulated seconds (time_scale {ts})", "",
+              "## End to end", "", system_table(e2e, "rollarc")]
+    rows = principle_rows(results, chosen)
+    if rows:
+        report += ["", "## Per principle", "", markdown_table(
+            ["principle", "system", "GPUs ($/h)", "s/step", "baseline", "baseline s/step",
+             "x (system / baseline)"], rows), "", "### All systems", "",
+            system_table({k: v for k, v in results.items() if k not in e2e}, "rollarc")
+            if len(results) > len(e2e) else ""]
+    bench_wall = time.perf_counter() - started
+    report += ["", f"bench wall time: {bench_wall:.0f} s"]
+    text = "\n".join(report)
+    console.print(text)
+    (out / "bench.md").write_text(text + "\n")
+    (out / "bench.json").write_text(json.dumps(
+        {"workload": str(workload), "steps": args.steps, "repeats": args.repeats,
+         "time_scale": ts, "bench_wall_s": bench_wall, "results": results,
+         "runs": per_system}, indent=2, default=str))
+    streams = {}
+    for s in chosen:
+        if s.section != "end_to_end":
+            continue
+        run_dir = out / "runs" / f"{s.name.replace(' ', '_').replace(',', '')}-0"
+        streams[s.name] = json.loads((run_dir / "task_stream.json").read_text())
+        save_timelines({s.name: streams[s.name]}, out / f"timeline-{s.name}.png", ts)
+    pair = {k: streams[k] for k in ("rollarc", "sync-monolithic") if k in streams}
+    if pair:
+        save_timelines(pair, out / "timeline.png", ts)
+    console.print(f"written: {out}/bench.md, bench.json, timeline*.png")
     return 0
 
 

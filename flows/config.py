@@ -36,7 +36,7 @@ from flows.orchestration import min_max_staleness
 from flows.workload import TurnShapeConfig
 from resources.affinity import Objective, Workload
 from resources.catalog import CATALOG, HardwareProfile, get_profile
-from resources.emulated import DeviceEmulation
+from resources.emulated import DeviceEmulation, JudgeEmulation
 from resources.pools import PoolSpec, Role
 from resources.worker import backend_context
 from tasks.components import COMPONENT, check_component, check_signature, describe, resolve
@@ -148,6 +148,10 @@ class RolloutConfig(_Strict):
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
+    env_barrier: bool = Field(
+        default=False, description="Sync: batch-level environment handling, a baseline: each "
+                                   "turn of the batch waits until every trajectory has finished "
+                                   "the turn before (false: each trajectory goes on alone)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 
@@ -192,6 +196,10 @@ class RewardConfig(_Strict):
     function_error_retries: int = Field(default=2, ge=0, description="Retries of a function "
                                         "error; then its trajectories are dropped with reason")
     emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
+    judge: JudgeEmulation | None = Field(
+        default=None, description="Emulated devices: the rewards are a model's, whose GPU time "
+                                  "each call takes (lambda: a serverless instance per call; "
+                                  "local: one dedicated engine on the reward worker)")
 
     def function_of(self, env_task: EnvTaskConfig) -> str:
         """The Lambda function that scores ``env_task``."""
@@ -268,6 +276,10 @@ class EngineConfig(_Strict):
 
 class ClusterConfig(_Strict):
     pools: list[PoolSpec] = Field(description="Pools of the embedded local cluster")
+    monolithic_workers: int | None = Field(default=None, ge=1, description="Workers of the "
+                                           "monolithic pool (null: as many as the pools have)")
+    monolithic_gpus: int | None = Field(default=None, ge=1, description="Devices per monolithic "
+                                        "worker (null: the most a pool has)")
     monolithic_profile: str = Field(default="H800", description="Profile of the single pool "
                                     "that placement=monolithic uses")
     dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
@@ -292,6 +304,8 @@ class EvalConfig(_Strict):
 class MetricsConfig(_Strict):
     sink: Literal["jsonl", "null"] = Field(default="jsonl", description="Where metrics go")
     progress: bool = Field(default=True, description="Live progress line")
+    task_stream: bool = Field(default=False, description="Save every task's worker, stage, "
+                              "start and stop to task_stream.json (benchmark timelines)")
 
 
 class TrainConfig(_Strict):
@@ -353,6 +367,17 @@ class TrainConfig(_Strict):
                         f"env_tasks.{i}.reward_fn: a Python callable ({describe(t.reward_fn)}) "
                         "cannot run on AWS Lambda (reward.backend=lambda): deploy it and name "
                         "it by its dotted path, or set reward.backend=local")
+        if self.reward.judge is not None:
+            if not self.engine.emulated:
+                raise ValueError("reward.judge emulates a reward model's GPU time: it needs "
+                                 "engine.backend=emulated")
+            if (self.reward.judge.profile not in CATALOG
+                    and self.reward.judge.profile not in self.affinity.profiles):
+                raise ValueError(f"reward.judge.profile: unknown hardware profile "
+                                 f"{self.reward.judge.profile!r}")
+        if self.rollout.env_barrier and self.mode != "sync":
+            raise ValueError("rollout.env_barrier (batch-level environment handling) is a "
+                             "baseline of mode=sync")
         floor = min_max_staleness(self.rollout.window_batches)
         if self.mode == "async" and self.rollout.max_staleness < floor:
             raise ValueError(
@@ -376,13 +401,19 @@ class TrainConfig(_Strict):
         if self.placement == "disaggregated":
             return list(self.cluster.pools)
         hardware = [p for p in self.cluster.pools if p.role is not Role.SERVERLESS]
-        total = sum(p.workers for p in hardware)
+        total = self.cluster.monolithic_workers or sum(p.workers for p in hardware)
         slots = max(p.slots for p in hardware)
-        gpus = max(p.gpus for p in hardware)
+        gpus = self.cluster.monolithic_gpus or max(p.gpus for p in hardware)
         return [PoolSpec(name="monolithic", profile=self.cluster.monolithic_profile, role=Role.ALL,
                          workers=total, slots=slots, gpus=gpus)] + [
             p for p in self.cluster.pools if p.role is Role.SERVERLESS]
 
+
+    def trainer_gpus(self) -> int:
+        """Devices the trainer spans: its pool's, or every device of the monolithic pool
+        (colocated training time-shares them all with generation)."""
+        pool = next(p for p in self.effective_pools() if p.role in (Role.TRAIN, Role.ALL))
+        return pool.gpus * (pool.workers if pool.role is Role.ALL else 1)
 
     def pool_hardware(self) -> dict[str, tuple[dict, int]]:
         """Each effective pool's hardware profile and devices per worker."""

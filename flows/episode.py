@@ -108,4 +108,4 @@ def score_requests(trajs: list[Trajectory], reward_fns: dict[str, str],
     return [ScoreRequest(id=str(t.traj_id), idempotency_key=f"{run_id}/{t.traj_id}/{t.attempt}",
                          reward_fn=reward_fns[t.env_name],
                          env_name=t.env_name, env_rewards=t.env_rewards, responses=t.responses,
-                         info=t.info) for t in trajs]
+                         info=t.info, virtual_tokens=t.virtual_tokens) for t in trajs]

@@ -22,6 +22,7 @@ class FutureKind(Enum):
     SCORE = "score"  # a burst of trajectories scored by a reward function
     TRAIN = "train"  # a train step
     LOAD_WEIGHTS = "load_weights"  # an inference worker switched to published weights
+    TIME_SHARE = "time_share"  # an emulated engine yielded its GPUs to colocated training
 
 
 @dataclass

@@ -12,7 +12,8 @@ trajectory never picks up an old key's result. The functions submitted are those
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from distributed import Client, Future, wait
 
@@ -31,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TurnOutcome:
-    next_turn: Future | None = None  # the trajectory goes on
-    finished: tuple[RolloutRecord, Trajectory] | None = None  # ...or finished
+    # turns submitted: the trajectory's next one, or with rollout.env_barrier every turn held
+    # at the barrier once the last of the batch arrived
+    next_turns: list[Future] = field(default_factory=list)
+    finished: tuple[RolloutRecord, Trajectory] | None = None  # the trajectory finished...
     dropped: RolloutRecord | None = None  # ...or was dropped (its reason is in the ledger)
 
 
@@ -68,6 +71,12 @@ class RolloutDriver:
         self._stopping = False
         self.error_streak = 0
         self._closing: list[Future] = []
+        # per turn (submitted, answered) wall-clock times and the emulated waits within: the
+        # benchmark subtracts the tasks' compute intervals to get the orchestration overhead
+        self.turn_log: list[tuple[str, float, float, float]] = []
+        self._turn_submitted: dict[int, float] = {}
+        # rollout.env_barrier: training trajectories whose next turn waits for the others'
+        self._held: list[tuple[RolloutRecord, Future]] = []
 
     @property
     def stopping(self) -> bool:
@@ -130,6 +139,7 @@ class RolloutDriver:
                             worker=rec.env_worker, key=f"env_step-{suffix}")
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
             self.router.started(w)
+        self._turn_submitted[rec.traj_id] = time.time()
         rec.last_decode = dec
         self._by_step[step.key] = rec.traj_id
         return step
@@ -144,6 +154,10 @@ class RolloutDriver:
         rec = self.live[self._by_step.pop(fut.key)]
         self._release(rec)
         self.error_streak = 0
+        remote = float(obs.info.get("remote_latency_s", 0.0)) * self.cfg.engine.time_scale
+        self.turn_log.append((f"{rec.traj_id}-{rec.turn}-{rec.attempt}",
+                              self._turn_submitted.pop(rec.traj_id), time.time(),
+                              obs.sample.emulated_wait_s + remote))
         rec.record_turn(obs)
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
@@ -157,18 +171,31 @@ class RolloutDriver:
             del self.live[rec.traj_id]
             self.ledger.transition(rec.traj_id, TrajState.EVALUATED if rec.evaluation
                                    else TrajState.AWAITING_SCORE)
-            return TurnOutcome(finished=(rec, rec.to_trajectory(obs, context_limited)))
+            return TurnOutcome(finished=(rec, rec.to_trajectory(obs, context_limited)),
+                               next_turns=self._release_barrier())
         if self._stopping and not rec.evaluation:  # run over: this turn was the last
             self.close_env(rec)
             self._drop(rec, DropReason.RUN_ENDED)
-            return TurnOutcome(dropped=rec)
-        return TurnOutcome(next_turn=self._submit_turn(rec, fut))
+            return TurnOutcome(dropped=rec, next_turns=self._release_barrier())
+        if self.cfg.rollout.env_barrier and not rec.evaluation:
+            self._held.append((rec, fut))
+            return TurnOutcome(next_turns=self._release_barrier())
+        return TurnOutcome(next_turns=[self._submit_turn(rec, fut)])
+
+    def _release_barrier(self) -> list[Future]:
+        """Batch-level environment handling (a baseline): the held turns go on together once
+        no training trajectory has a turn in flight."""
+        if not self._held or any(not self.live[t].evaluation for t in self._by_step.values()):
+            return []
+        held, self._held = self._held, []
+        return [self._submit_turn(rec, fut) for rec, fut in held]
 
     def on_error(self, fut: Future) -> TurnOutcome:
         """A turn failed (worker lost, task error). Restart the trajectory from a fresh
         environment while attempts remain, else drop it with the reason."""
         rec = self.live[self._by_step.pop(fut.key)]
         self._release(rec)
+        self._turn_submitted.pop(rec.traj_id, None)
         exc = fut.exception() if fut.status == "error" else RuntimeError(
             f"{fut.status}: result lost")
         logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, exc)
@@ -182,9 +209,9 @@ class RolloutDriver:
                                                                  or rec.evaluation):
             rec.attempt += 1
             rec.reset_record()
-            return TurnOutcome(next_turn=self._start(rec))
+            return TurnOutcome(next_turns=[self._start(rec)])
         self._drop(rec, DropReason.ROLLOUT_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
-        return TurnOutcome(dropped=rec)
+        return TurnOutcome(dropped=rec, next_turns=self._release_barrier())
 
     def _drop(self, rec: RolloutRecord, reason: DropReason, detail: str = "") -> None:
         del self.live[rec.traj_id]

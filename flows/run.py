@@ -11,6 +11,7 @@ functions (:mod:`flows.metrics`). Every decision is a pure function of :mod:`flo
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -35,7 +36,7 @@ from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver
 from flows.trainer_handle import TrainerHandle
 from resources.cluster import ClusterHandle
-from resources.placement import PlacementRecorder, placement_snapshot
+from resources.placement import PlacementRecorder, placement_snapshot, task_stream_snapshot
 from resources.pools import Tag
 from resources.worker import RollArcWorkerPlugin, worker_report
 from tasks.records import TrainBatch, TrainStats, Trajectory
@@ -82,6 +83,15 @@ class TrainingRun:
                                    cfg.trainer.max_steps)
         self.trainer_busy = False
         self.loads_pending = 0
+        # monolithic on emulated devices: training time-shares the engines' GPUs
+        self.colocated_device = None
+        if cfg.placement == "monolithic" and cfg.engine.emulated:
+            from resources.catalog import HardwareProfile
+            from resources.emulated import device_of
+
+            profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
+            self.colocated_device = device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
+                                              cfg.engine.device)
         self.train_submitted_at = 0.0
         self.train_windows: list[tuple[float, float]] = []
         self.batch_info: dict = {}
@@ -93,14 +103,14 @@ class TrainingRun:
         """Install the worker state, resume if asked, and load the trainer's weights
         everywhere (version-stamped) before the first rollout."""
         cfg = self.cfg
-        self.client.register_plugin(PlacementRecorder())
+        self.client.register_plugin(PlacementRecorder(stream=cfg.metrics.task_stream))
         self.client.register_plugin(RollArcWorkerPlugin(
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
             hparams=cfg.trainer_hparams().model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg),
             pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
-            emulation=cfg.engine.emulation()))
+            trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation()))
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             # new group seeds after a resume, not a replay of the first run's
@@ -115,7 +125,8 @@ class TrainingRun:
         self.t0 = time.perf_counter()
         handlers = {FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
-                    FutureKind.LOAD_WEIGHTS: self._on_load}
+                    FutureKind.LOAD_WEIGHTS: self._on_load,
+                    FutureKind.TIME_SHARE: self._on_time_share}
         while True:
             for fut in self.rewards.flush():
                 self.events.track(fut, FutureKind.SCORE)
@@ -175,6 +186,11 @@ class TrainingRun:
             return
         self.events.track(self.trainer.train(TrainBatch(d.samples, self.version)),
                           FutureKind.TRAIN)
+        if self.colocated_device is not None:
+            tokens = sum(s.virtual_tokens or len(s.token_ids) for s in d.samples)
+            seconds = self.colocated_device.train_step_time(tokens)
+            for f in self.trainer.time_share(self.version, seconds):
+                self.events.track(f, FutureKind.TIME_SHARE)
         for t in d.trajectories:
             self.ledger.transition(int(t.traj_id), TrajState.TRAINED)
         self.trainer_busy = True
@@ -192,9 +208,9 @@ class TrainingRun:
     def _on_turn(self, ev: Event) -> None:
         out = (self.driver.on_step(ev.future, ev.result) if ev.ok
                else self.driver.on_error(ev.future))
-        if out.next_turn is not None:
-            self.events.track(out.next_turn, FutureKind.TURN)
-        elif out.finished is not None:
+        for fut in out.next_turns:
+            self.events.track(fut, FutureKind.TURN)
+        if out.finished is not None:
             rec, traj = out.finished
             if rec.evaluation:
                 self._on_eval_episode(rec.eval_round, traj)
@@ -241,6 +257,10 @@ class TrainingRun:
         if ev.future.status != "finished":
             raise RuntimeError(f"weight load {ev.future.key} failed: {ev.future.exception()}")
 
+    def _on_time_share(self, ev: Event) -> None:
+        if ev.future.status != "finished":
+            raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
+
     def _on_eval_episode(self, round_id: int, traj: Trajectory | None) -> None:
         metrics = self.evaluator.on_episode(round_id, traj)
         if metrics is not None:
@@ -256,6 +276,12 @@ class TrainingRun:
         reports = self.client.run(worker_report)
         live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
         accounts = self.ledger.summary()
+        turns = self.driver.turn_log
+        if self.cfg.metrics.task_stream:
+            stream = self.client.run_on_scheduler(task_stream_snapshot)
+            (self.run_dir / "task_stream.json").write_text(json.dumps(
+                {"tasks": stream, "turns": turns,
+                 "workers": {a: self.cluster.worker_pool.get(a, a) for a in reports}}))
         return {
             "final_metrics": self.last_metrics,
             "policy_version": self.version,
@@ -274,6 +300,9 @@ class TrainingRun:
                 "score_tasks": self.rewards.score_tasks,
                 "lost": self.rewards.lost()},
             "live_env_instances_at_end": live_envs,
+            "turns": {"count": len(turns),
+                      "wall_s_mean": sum(b - a for _, a, b, _ in turns) / max(len(turns), 1),
+                      "emulated_wait_s_mean": sum(e for *_, e in turns) / max(len(turns), 1)},
             "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
                         for a, r in reports.items()},
             "train_windows_s": [(a - self.t0, b - self.t0) for a, b in self.train_windows],

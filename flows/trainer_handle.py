@@ -46,6 +46,17 @@ class TrainerHandle:
                                    resources=demand(Stage.LOAD_WEIGHTS, tag))
                 for i, (w, tag) in enumerate(self.inference_workers.items())]
 
+    def time_share(self, version: int, seconds: float) -> list[Future]:
+        """Colocated training on emulated devices: every inference engine yields its GPUs to
+        the train step of ``version`` for its ``seconds`` (unscaled)."""
+        from resources.emulated import yield_to_training
+
+        return [self.client.submit(with_backend, yield_to_training, seconds,
+                                   key=f"time_share-{version}-{i}", workers=[w], pure=False,
+                                   allow_other_workers=False,
+                                   resources=demand(Stage.LOAD_WEIGHTS, tag))
+                for i, (w, tag) in enumerate(self.inference_workers.items())]
+
     def resume(self, checkpoint: str) -> int:
         """Restore the trainer from a checkpoint; the version it resumes at."""
         return self._on_trainer(Stage.TRAIN_STEP, self.stages.load_checkpoint, checkpoint,

@@ -88,6 +88,7 @@ class EngineStats:
     decode_tokens: int = 0
     weight_loads: int = 0
     weight_load_s: float = 0.0
+    training_s: float = 0.0  # held by colocated training (monolithic placement)
     kv_transfer_s: float = 0.0  # hand-offs received (they wait on the link, not the engine)
     max_running: int = 0
     max_waiting: int = 0
@@ -131,13 +132,19 @@ class EmulatedEngine:
         if tokens > 0:
             self._submit(_Work(False, tokens, context, context + tokens))
 
-    def pause(self, seconds: float) -> None:
-        """Hold the engine for ``seconds`` (unscaled) between two steps: a weight load."""
+    def pause(self, seconds: float, training: bool = False) -> None:
+        """Hold the engine for ``seconds`` (unscaled) between two steps: a weight load, or a
+        train step of colocated training that time-shares these GPUs."""
         done = threading.Event()
         with self._cond:
             self._arrivals += 1
             self._pause_s += seconds
             self._pause_done.append(done)
+            if training:
+                self.stats.training_s += seconds
+            else:
+                self.stats.weight_loads += 1
+                self.stats.weight_load_s += seconds
             self._cond.notify()
         done.wait()
 
@@ -210,8 +217,6 @@ class EmulatedEngine:
                 if pause or released:
                     self._wait(pause, interruptible=False)
                     self.stats.busy_s += pause
-                    self.stats.weight_load_s += pause
-                    self.stats.weight_loads += len(released)
                     for e in released:
                         e.set()
                     continue
@@ -301,6 +306,7 @@ class EmulatedPrefill:
     engine_id: str
     new_tokens: int  # virtual tokens read: their KV moves if decode runs elsewhere
     context: int  # virtual context after the prefill
+    waited_s: float = 0.0  # real seconds the prefill waited on the emulated engine
 
     def __sizeof__(self) -> int:
         import sys
@@ -324,20 +330,26 @@ class EmulatedBackend:
                                  shape=shape)
         cached = cache.virtual_tokens if cache is not None else 0
         n = shape.prompt_tokens if shape is not None else len(new_ids)
+        t0 = time.perf_counter()
         self.engine.prefill(n, cached)
-        return EmulatedPrefill(out, self.engine_id, n, cached + n)
+        return EmulatedPrefill(out, self.engine_id, n, cached + n, time.perf_counter() - t0)
 
     def decode(self, prefilled: EmulatedPrefill, cache: EmulatedCache | None,
                params: SamplingParams, seed: int, shape: TurnShape | None = None) -> DecodeOutput:
+        t0 = time.perf_counter()
         if prefilled.engine_id != self.engine_id:  # the new tokens' KV crosses the network
             seconds = self.engine.device.kv_transfer_time(prefilled.new_tokens)
             self.engine.stats.kv_transfer_s += seconds
             self.engine.sleep(seconds)
+        waited = time.perf_counter() - t0
         out = self.inner.decode(prefilled.inner, cache.inner if cache is not None else None,
                                 params, seed, shape=shape)
         n = shape.response_tokens if shape is not None else len(out.sample.token_ids)
+        t0 = time.perf_counter()
         self.engine.decode(prefilled.context, n)
+        waited += time.perf_counter() - t0
         out.sample.virtual_tokens = prefilled.new_tokens + n
+        out.sample.emulated_wait_s = prefilled.waited_s + waited
         return DecodeOutput(EmulatedCache(out.cache, prefilled.context + n), out.sample)
 
     def load_weights(self, snapshot) -> int:
@@ -353,6 +365,13 @@ class EmulatedBackend:
     def close(self) -> None:
         self.engine.close()
         self.inner.close()
+
+
+def yield_to_training(backend: EmulatedBackend, seconds: float) -> float:
+    """Colocated training (monolithic placement) time-shares the engine's GPUs: the engine
+    serves nothing for the train step's ``seconds`` (unscaled)."""
+    backend.engine.pause(seconds, training=True)
+    return seconds
 
 
 def device_of(hardware: HardwareProfile, gpus: int, device: DeviceEmulation) -> DeviceModel:
@@ -415,3 +434,59 @@ class EmulatedTrainer:
 
     def load_checkpoint(self, path: str) -> int:
         return self.inner.load_checkpoint(path)
+
+
+# -- a model-based reward's GPU time ------------------------------------------------------------
+
+
+class JudgeEmulation(BaseModel):
+    """A reward model's GPUs (``reward.judge``): with ``reward.backend: lambda`` each invocation
+    runs on a serverless GPU instance of its own (elastic: as many as calls in flight); with
+    ``local`` every call queues on one dedicated engine of ``gpus`` devices on the reward
+    worker, whose utilisation is then measured."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(default="dense-8b", description="The reward model (device-model preset "
+                       "or Hugging Face config.json)")
+    profile: str = Field(default="H800", description="GPUs the reward model runs on")
+    gpus: int = Field(default=1, ge=1, description="Devices per engine (serverless: per "
+                      "instance; local: the dedicated pool)")
+
+
+class JudgedRewardClient:
+    """A :class:`tasks.scoring.RewardClient` whose calls also take a reward model's time: one
+    prefill over the batch's virtual tokens, on a serverless instance of its own
+    (``dedicated=False``) or on the one dedicated engine every call shares."""
+
+    def __init__(self, inner, device: DeviceModel, time_scale: float, dedicated: bool):
+        self.inner, self.device, self.time_scale = inner, device, time_scale
+        self.engine = EmulatedEngine(device, time_scale) if dedicated else None
+        self.billed_s = 0.0  # serverless GPU seconds (unscaled) paid for
+        self.ledger = inner.ledger
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.inner.close()
+
+    def score(self, requests):
+        batch = self.inner.score(requests)
+        tokens = sum(r.virtual_tokens for r in requests)
+        if self.engine is not None:
+            self.engine.prefill(tokens)
+        else:
+            seconds = self.device.prefill_time(tokens)
+            self.billed_s += seconds
+            time.sleep(seconds * self.time_scale)
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        if self.engine is not None:
+            return {"dedicated_busy_s": self.engine.stats.busy_s,
+                    "gpus": self.device.gpus, "profile": self.device.hw.name}
+        return {"serverless_billed_s": self.billed_s, "gpus": self.device.gpus,
+                "profile": self.device.hw.name}

@@ -1,4 +1,5 @@
-"""A scheduler plugin that records where each task ran: counts per (stage, worker)."""
+"""A scheduler plugin that records where each task ran: counts per (stage, worker), and on demand
+every task's compute interval (the benchmark's timelines and overhead accounting)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ PLACEMENT_PLUGIN = "rollarc-placement"
 class PlacementRecorder(SchedulerPlugin):
     name = PLACEMENT_PLUGIN
 
-    def __init__(self) -> None:
+    def __init__(self, stream: bool = False) -> None:
         self.counts: defaultdict[str, Counter] = defaultdict(Counter)
+        # with ``stream``: (key, worker, compute start, compute stop) of every task, wall clock
+        self.stream: list[tuple[str, str, float, float]] | None = [] if stream else None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -24,9 +27,19 @@ class PlacementRecorder(SchedulerPlugin):
             worker = kwargs.get("worker")
             if worker is not None:
                 self.counts[key_split(key)][worker] += 1
+                if self.stream is not None:
+                    for ss in kwargs.get("startstops") or ():
+                        if ss.get("action") == "compute":
+                            self.stream.append((str(key), worker, ss["start"], ss["stop"]))
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {stage: dict(c) for stage, c in self.counts.items()}
+
+
+def task_stream_snapshot(dask_scheduler=None) -> list[tuple[str, str, float, float]]:
+    """For ``client.run_on_scheduler``: the recorded task stream (empty when not recorded)."""
+    plugin = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+    return list(plugin.stream or []) if plugin is not None else []
 
 
 def placement_snapshot(dask_scheduler=None) -> dict[str, dict[str, int]]:

@@ -19,6 +19,7 @@ from distributed import get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from resources.catalog import HardwareProfile
+from resources.device_model import DeviceModel, model_spec
 from tasks.components import COMPONENT, accepts, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.inference import InferenceBackend
@@ -60,7 +61,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
                  hparams: dict | None = None, loss: dict | None = None, seed: int = 0,
                  reward: dict | None = None, reward_functions: dict[str, Any] | None = None,
                  pool_hardware: dict[str, tuple[dict, int]] | None = None,
-                 default_pool: str | None = None, emulation: dict | None = None):
+                 default_pool: str | None = None, trainer_gpus: int | None = None,
+                 emulation: dict | None = None):
         self.policy_spec = policy
         self.backend_spec = backend or {COMPONENT: "resources.engine.hf_backend"}
         self.trainer_spec = trainer or {COMPONENT: "tasks.trainer.policy_trainer"}
@@ -71,6 +73,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
         self.reward_functions = dict(reward_functions or {})
         self.pool_hardware = dict(pool_hardware or {})
         self.default_pool = default_pool
+        self.trainer_gpus = trainer_gpus
         self.emulation = emulation
 
     def setup(self, worker) -> None:
@@ -139,7 +142,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
                 if self.emulation:
                     from resources.emulated import DeviceEmulation, EmulatedTrainer, device_of
 
-                    device = device_of(self.hardware, self.gpus,
+                    device = device_of(self.hardware, self.trainer_gpus or self.gpus,
                                        DeviceEmulation(**self.emulation["device"]))
                     self._trainer = EmulatedTrainer(self._trainer, device,
                                                     self.emulation["time_scale"])
@@ -151,8 +154,18 @@ class RollArcWorkerPlugin(WorkerPlugin):
 
         with self._lock:
             if lambda_function not in self._reward_clients:
-                self._reward_clients[lambda_function] = build_reward_client(
-                    self.reward_cfg, lambda_function, self.reward_functions)
+                client = build_reward_client(self.reward_cfg, lambda_function,
+                                             self.reward_functions)
+                judge = self.reward_cfg.get("judge")
+                if judge:  # a model-based reward's GPU time, emulated
+                    from resources.catalog import get_profile
+                    from resources.emulated import JudgedRewardClient, JudgeEmulation
+
+                    j = JudgeEmulation(**judge)
+                    device = DeviceModel(model_spec(j.model), get_profile(j.profile), j.gpus)
+                    client = JudgedRewardClient(client, device, self.time_scale,
+                                                dedicated=self.reward_cfg["backend"] == "local")
+                self._reward_clients[lambda_function] = client
             return self._reward_clients[lambda_function]
 
     def report(self) -> dict:
@@ -169,6 +182,10 @@ class RollArcWorkerPlugin(WorkerPlugin):
         if self._reward_clients:
             out["reward_ledger"] = {n: {"keys": len(c.ledger), "duplicates": c.ledger.duplicates}
                                     for n, c in self._reward_clients.items()}
+            judges = {n: c.stats() for n, c in self._reward_clients.items()
+                      if hasattr(c, "stats")}
+            if judges:
+                out["reward_judge"] = judges
         return out
 
 

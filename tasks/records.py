@@ -59,6 +59,7 @@ class TurnSample:
     # tokens the turn stood for on an emulated production engine (prompt read + response
     # generated; 0 on a real engine): what the emulated trainer's step time counts
     virtual_tokens: int = 0
+    emulated_wait_s: float = 0.0  # real seconds the turn's tasks waited on emulated devices
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,12 @@ class ScoreRequest:
     env_rewards: list[float]
     responses: list[str]
     info: dict
+    # tokens the trajectory stands for on emulated devices: what an emulated reward model reads
+    # (emulation metadata, never sent to the function)
+    virtual_tokens: int = 0
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "virtual_tokens"}
 
 
 @dataclass

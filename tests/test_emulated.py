@@ -53,8 +53,7 @@ def test_h800_wins_prefill_and_h20_decode_per_dollar_on_emulated_engines():
         engine = _engine(profile, time_scale=0.02)
         try:
             pre = _timed(engine.prefill, 8192, 0)
-            done = []
-            threads = [threading.Thread(target=lambda: done.append(engine.decode(4096, 200)))
+            threads = [threading.Thread(target=engine.decode, args=(4096, 200))
                        for _ in range(32)]
             t0 = time.perf_counter()
             for t in threads:
@@ -94,16 +93,17 @@ def test_kv_memory_caps_the_running_batch():
         EmulatedEngine(DeviceModel(huge, H20))
 
 
+def _turn(engine, i):
+    engine.prefill(512, 0)
+    engine.decode(512, 50 + 10 * i)
+
+
 def test_time_scale_scales_time_and_nothing_else():
     results = {}
     for scale in (0.2, 0.05):
         engine = _engine(H20, time_scale=scale)
         try:
-            def one(i):
-                engine.prefill(512, 0)
-                engine.decode(512, 50 + 10 * i)
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+            threads = [threading.Thread(target=_turn, args=(engine, i)) for i in range(8)]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()

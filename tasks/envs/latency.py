@@ -6,6 +6,8 @@ a browser takes seconds, with a long tail. :class:`RemoteLatency` wraps any envi
 
 - ``{"kind": "constant", "seconds": s}``;
 - ``{"kind": "lognormal", "median_s": m, "sigma": s}``;
+- ``{"kind": "normal", "mean_s": m, "std_s": s}``, clipped at zero (arXiv 2512.22560 Sec. 7
+  injects per-turn environment latency of mean 10 s and a standard deviation of 1 s to 10 s);
 - ``{"kind": "heavy_tail", "p50_s": m, "p99_over_p50": r}``: a mixture of a narrow body around
   ``m`` and a 2 % tail around ``r * m`` (so the 99th percentile sits at about ``r * m``), the
   shape of sandboxes that mostly answer fast and now and then stall.
@@ -45,6 +47,8 @@ class Latency:
     sigma: float = 0.5
     p50_s: float = 0.0
     p99_over_p50: float = 10.0
+    mean_s: float = 0.0
+    std_s: float = 0.0
 
     @classmethod
     def of(cls, spec: dict[str, Any] | float | None) -> Latency:
@@ -53,10 +57,11 @@ class Latency:
         if isinstance(spec, int | float):
             return cls(seconds=float(spec))
         lat = cls(**spec)
-        if lat.kind not in ("constant", "lognormal", "heavy_tail"):
-            raise ValueError(f"latency kind must be constant, lognormal or heavy_tail, "
+        if lat.kind not in ("constant", "lognormal", "heavy_tail", "normal"):
+            raise ValueError(f"latency kind must be constant, lognormal, heavy_tail or normal, "
                              f"got {lat.kind!r}")
-        if min(lat.seconds, lat.median_s, lat.p50_s, lat.sigma) < 0 or lat.p99_over_p50 < 1:
+        if min(lat.seconds, lat.median_s, lat.p50_s, lat.sigma, lat.mean_s,
+               lat.std_s) < 0 or lat.p99_over_p50 < 1:
             raise ValueError("latencies and sigma must be >= 0 and p99_over_p50 >= 1")
         return lat
 
@@ -65,6 +70,8 @@ class Latency:
             return self.seconds
         if self.kind == "lognormal":
             return self.median_s * math.exp(rng.gauss(0.0, self.sigma)) if self.median_s else 0.0
+        if self.kind == "normal":
+            return max(0.0, rng.gauss(self.mean_s, self.std_s))
         # heavy_tail: the body holds 98 % of calls, so the 99th percentile is the tail's median
         center = self.p50_s * (self.p99_over_p50 if rng.random() < TAIL_PROBABILITY else 1.0)
         return center * math.exp(rng.gauss(0.0, _BODY_SIGMA))
