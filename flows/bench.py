@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="train steps per system")
     p.add_argument("--repeats", type=int, default=1, help="runs per system, interleaved")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    p.add_argument("--only", nargs="+", default=None, metavar="SYSTEM",
+                   help="run only these systems (rollarc always runs: ratios refer to it)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench/...)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every system")
     args = p.parse_args(argv)
@@ -219,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     base = load_config(workload, args.overrides)
     chosen = systems(base, tuple(args.sections))
+    if args.only:
+        unknown = set(args.only) - {s.name for s in chosen}
+        if unknown:
+            print(f"unknown systems {sorted(unknown)}: {[s.name for s in chosen]}",
+                  file=sys.stderr)
+            return 2
+        keep = {"rollarc", *args.only}
+        chosen = [s for s in chosen if s.name in keep or s.baseline in keep and s.name in keep]
     out = Path(args.out or f"runs/bench/{workload.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=240)

@@ -36,6 +36,7 @@ from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver
 from flows.trainer_handle import TrainerHandle
 from resources.cluster import ClusterHandle
+from resources.emulated import sequence_lengths
 from resources.placement import PlacementRecorder, placement_snapshot, task_stream_snapshot
 from resources.pools import Tag
 from resources.worker import RollArcWorkerPlugin, worker_report
@@ -187,8 +188,7 @@ class TrainingRun:
         self.events.track(self.trainer.train(TrainBatch(d.samples, self.version)),
                           FutureKind.TRAIN)
         if self.colocated_device is not None:
-            tokens = sum(s.virtual_tokens or len(s.token_ids) for s in d.samples)
-            seconds = self.colocated_device.train_step_time(tokens)
+            seconds = self.colocated_device.train_step_time(sequence_lengths(d.samples))
             for f in self.trainer.time_share(self.version, seconds):
                 self.events.track(f, FutureKind.TIME_SHARE)
         for t in d.trajectories:

@@ -12,8 +12,9 @@ stated MFU and MBU (defaults 0.5 and 0.8: typical of serving and training stacks
   context; it reads the weights (of a MoE, the experts the batch touches) and every sequence's KV;
 - a mixed step (chunked prefill plus decodes on one engine, as vLLM schedules them): both works'
   FLOPs and bytes in one pass, the weights read once;
-- a training step over ``N`` tokens: ``6 x active params x N`` (forward and backward) plus a
-  forward for the proximal log-probs, on the trainer pool's devices;
+- a training step over sequences of ``N`` tokens in all: ``6 x active params x N`` (forward
+  and backward) plus a forward for the proximal log-probs (``2 x``), and each sequence's causal
+  attention, on the trainer pool's devices;
 - a weight broadcast and a KV transfer: bytes over the link between pools (RDMA per GPU), or
   over NVLink within a node.
 
@@ -192,11 +193,15 @@ class DeviceModel:
         return self._roofline(flops + f, weights + kv + b)
 
     # -- training and transfers ------------------------------------------------------------------
-    def train_step_time(self, tokens: int) -> float:
-        """A training step over ``tokens`` tokens: forward and backward (6 x active params per
-        token) plus the proximal log-probs' forward (2 x), compute-bound."""
+    def train_step_time(self, sequences: int | list[int]) -> float:
+        """A training step over sequences of these lengths (an int: one sequence): forward and
+        backward (6 x active params per token) plus the proximal log-probs' forward (2 x), and
+        causal attention within each sequence, compute-bound."""
         m = self.model
-        flops = 8.0 * m.params_active * tokens + 3 * m.attention_flops(tokens, 0.5 * tokens)
+        lengths = [sequences] if isinstance(sequences, int) else list(sequences)
+        tokens = sum(lengths)
+        flops = 8.0 * m.params_active * tokens + 4 * sum(m.attention_flops(n, 0.5 * n)
+                                                         for n in lengths)
         return flops / (self.hw.peak_flops * self.gpus * self.mfu)
 
     def transfer_time(self, nbytes: float, within_node: bool = False) -> float:

@@ -16,8 +16,9 @@ by sleeping (no core is burned):
 - **virtual lengths**: each turn carries a :class:`tasks.records.TurnShape` (the prompt tokens
   it reads, the response tokens it generates) drawn by the flows from the env task's workload;
   the real tokens stand for them. Without a shape the real lengths are used.
-- the KV hand-off from a prefill engine to a decode engine takes its transfer time; new weights
-  pause the engine for a weight broadcast.
+- KV hand-offs take their transfer time: the conversation's KV from the engine that decoded the
+  last turn to the prefill engine, and the new tokens' KV from there to the decode engine (as
+  the ``hf`` backend moves them); new weights pause the engine for a weight broadcast.
 
 :class:`EmulatedTrainer` does the same for the trainer: the real step runs, then the step waits
 the device-model time of a training step over the batch's virtual tokens; exporting weights
@@ -291,6 +292,7 @@ class EmulatedCache:
 
     inner: Any
     virtual_tokens: int
+    engine_id: str = ""  # the engine holding this KV (where the turn decoded)
 
     def __sizeof__(self) -> int:
         import sys
@@ -331,6 +333,11 @@ class EmulatedBackend:
         cached = cache.virtual_tokens if cache is not None else 0
         n = shape.prompt_tokens if shape is not None else len(new_ids)
         t0 = time.perf_counter()
+        if cache is not None and cache.engine_id != self.engine_id:
+            # the conversation's KV comes from the engine that decoded the last turn
+            seconds = self.engine.device.kv_transfer_time(cached)
+            self.engine.stats.kv_transfer_s += seconds
+            self.engine.sleep(seconds)
         self.engine.prefill(n, cached)
         return EmulatedPrefill(out, self.engine_id, n, cached + n, time.perf_counter() - t0)
 
@@ -350,7 +357,8 @@ class EmulatedBackend:
         waited += time.perf_counter() - t0
         out.sample.virtual_tokens = prefilled.new_tokens + n
         out.sample.emulated_wait_s = prefilled.waited_s + waited
-        return DecodeOutput(EmulatedCache(out.cache, prefilled.context + n), out.sample)
+        return DecodeOutput(EmulatedCache(out.cache, prefilled.context + n, self.engine_id),
+                            out.sample)
 
     def load_weights(self, snapshot) -> int:
         version = self.inner.load_weights(snapshot)
@@ -400,6 +408,11 @@ def emulated_backend(policy: PolicySpec, max_batch: int, hardware: HardwareProfi
 # -- the trainer --------------------------------------------------------------------------------
 
 
+def sequence_lengths(samples) -> list[int]:
+    """Each train sample's length on emulated devices (its real length without a shape)."""
+    return [s.virtual_tokens or len(s.token_ids) for s in samples]
+
+
 class EmulatedTrainer:
     """A :class:`tasks.trainer.Trainer` whose steps and weight exports take device-model time
     on the trainer pool's GPUs (real steps run first: the tokens and gradients are real)."""
@@ -418,8 +431,7 @@ class EmulatedTrainer:
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         stats = self.inner.train_step(batch)
-        tokens = sum(s.virtual_tokens or len(s.token_ids) for s in batch.samples)
-        seconds = self.device.train_step_time(tokens)
+        seconds = self.device.train_step_time(sequence_lengths(batch.samples))
         self._spend(seconds)
         stats.seconds += seconds * self.time_scale
         return stats

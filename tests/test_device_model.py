@@ -101,6 +101,8 @@ def test_moe_decode_reads_only_the_experts_a_small_batch_touches():
 def test_training_and_transfers_scale_with_devices_and_bytes():
     dm, dm8 = DeviceModel(PRESETS["dense-8b"], H800), DeviceModel(PRESETS["dense-8b"], H800, 8)
     assert dm.train_step_time(65536) == pytest.approx(8 * dm8.train_step_time(65536))
+    # attention is within each sequence: 16 sequences of 4k cost less than one of 64k
+    assert dm.train_step_time([4096] * 16) < dm.train_step_time(65536)
     assert dm.kv_transfer_time(4096) == pytest.approx(2 * dm.kv_transfer_time(2048))
     assert dm.kv_transfer_time(2048, within_node=True) < dm.kv_transfer_time(2048)
     assert dm.weight_broadcast_time() == pytest.approx(
