@@ -88,18 +88,21 @@ def hardware_of(cfg: TrainConfig) -> str:
     return " + ".join(f"{n} {k}" for k, n in parts.items()) + f" (${cost:.1f}/h)"
 
 
-def equal_cost_workers(cost: float, profile: str, gpus: int, cfg: TrainConfig) -> int:
+def equal_cost_shape(cost: float, profile: str, cfg: TrainConfig,
+                     max_workers: int = 4) -> tuple[int, int]:
+    """(workers, GPUs per worker) of ``profile`` whose hourly cost is closest to ``cost``
+    (fewest workers on ties: fewer processes on the benchmark machine)."""
     price = get_profile(profile, cfg.affinity.profiles).price_per_hour
-    return max(1, round(cost / (price * gpus)))
+    shapes = [(w, g) for g in (1, 2, 4, 8) for w in range(1, max_workers + 1)]
+    return min(shapes, key=lambda s: (abs(s[0] * s[1] * price - cost), s[0]))
 
 
 def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
     """Every system of the chosen sections, with the overrides that make it from ``cfg``."""
     out = [System("rollarc", "end_to_end")]
     _, all_cost = gpu_cost(cfg, (Role.INFERENCE, Role.TRAIN))
-    mono_gpus = max(p.gpus for p in cfg.cluster.pools if p.role is not Role.SERVERLESS)
-    mono = [f"cluster.monolithic_gpus={mono_gpus}", "cluster.monolithic_workers="
-            f"{equal_cost_workers(all_cost, cfg.cluster.monolithic_profile, mono_gpus, cfg)}"]
+    workers, gpus = equal_cost_shape(all_cost, cfg.cluster.monolithic_profile, cfg)
+    mono = [f"cluster.monolithic_gpus={gpus}", f"cluster.monolithic_workers={workers}"]
     if "end_to_end" in sections:
         out += [System("sync-disaggregated", "end_to_end", ["mode=sync"]),
                 System("async-monolithic", "end_to_end", ["placement=monolithic", *mono]),
@@ -112,9 +115,9 @@ def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
                   if p.role is not Role.INFERENCE]
         template = inference[0].model_dump(mode="json")
         for profile in sorted({p.profile for p in inference}):
-            gpus = max(p.gpus for p in inference)
+            workers, gpus = equal_cost_shape(inf_cost, profile, cfg)
             pool = template | {"name": "inference", "profile": profile, "gpus": gpus,
-                               "workers": equal_cost_workers(inf_cost, profile, gpus, cfg)}
+                               "workers": workers}
             pools = yaml.safe_dump([pool, *others], default_flow_style=True, width=10**6)
             out.append(System(f"{profile}-only", "affinity", [f"cluster.pools={pools.strip()}"]))
     if "environment" in sections:
