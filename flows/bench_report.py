@@ -17,10 +17,10 @@ from flows.metrics import read_metrics
 
 # stages drawn in the timeline, in legend order, with their colours
 STAGE_COLOURS = {"env_reset": "#8c564b", "prefill": "#1f77b4", "decode": "#ff7f0e",
-                 "response": "#ffbb78", "env_step": "#2ca02c", "env_close": "#98df8a",
+                 "env_step": "#2ca02c", "env_close": "#98df8a",
                  "score": "#9467bd", "train_step": "#d62728", "publish_weights": "#e377c2",
                  "load_weights": "#7f7f7f", "time_share": "#bcbd22"}
-CHAIN = ("prefill", "decode", "response", "env_step")
+CHAIN = ("prefill", "decode", "env_step")
 
 
 def _quantile(xs: list[float], q: float) -> float:

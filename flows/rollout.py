@@ -1,8 +1,10 @@
 """Trajectory graphs: each trajectory is a dynamic Dask graph, one turn's sub-graph at a time.
 
-A turn is ``prefill -> decode -> response -> env_step``, submitted together with futures as
-arguments, so the cache handle moves worker to worker (decode -> prefill -> decode) and never
-through the driver; the driver waits only for env_step's small result. Keys are
+A turn is ``prefill -> decode -> env_step``, submitted together with futures as arguments, so
+the cache handle moves worker to worker (decode -> prefill -> decode) and never through the
+driver; the driver waits only for env_step's small result, and hands it by value to the next
+turn's tasks (one dependency fetch less per turn). env_step extracts the response from the
+decode output itself (``Stages.response``): three tasks per turn, not four. Keys are
 ``"{stage}-{trajectory}-{turn}-{attempt}"``: the dashboard groups by stage and a restarted
 trajectory never picks up an old key's result. The functions submitted are those of a
 :class:`tasks.stages.Stages`; every change of a trajectory's state goes through the
@@ -23,7 +25,8 @@ from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.orchestration import Router, decode_seed
 from flows.workload import turn_shape
 from resources.pools import Stage, Tag, demand
-from resources.worker import plain, with_backend, with_envs, with_registry
+from resources.worker import with_backend, with_envs, with_registry
+from tasks.env_steps import env_step_after_decode
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory
 from tasks.stages import Stages
 
@@ -76,7 +79,7 @@ class RolloutDriver:
         self.turn_log: list[tuple[str, float, float, float]] = []
         self._turn_submitted: dict[int, float] = {}
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
-        self._held: list[tuple[RolloutRecord, Future]] = []
+        self._held: list[tuple[RolloutRecord, EnvObservation]] = []
 
     @property
     def stopping(self) -> bool:
@@ -117,8 +120,9 @@ class RolloutDriver:
             key=f"env_reset-{rec.traj_id}-0-{rec.attempt}")
         return self._submit_turn(rec, reset)
 
-    def _submit_turn(self, rec: RolloutRecord, observation: Future) -> Future:
-        """prefill -> decode -> response -> env_step for turn ``rec.turn``."""
+    def _submit_turn(self, rec: RolloutRecord, observation: Future | EnvObservation) -> Future:
+        """prefill -> decode -> env_step for turn ``rec.turn``; ``observation`` is the reset's
+        future or the last turn's result."""
         suffix = f"{rec.traj_id}-{rec.turn}-{rec.attempt}"
         # Decode stays on the worker holding the cache; prefill joins it when that worker can
         # prefill too (colocation), else goes to the least-loaded compute worker.
@@ -133,10 +137,9 @@ class RolloutDriver:
             params=(self.eval_sampling if rec.evaluation else self.sampling)[rec.env_task.name],
             seed=decode_seed(self.cfg.seed, rec.traj_id, rec.turn, rec.attempt), shape=shape,
             worker=rec.decode_worker, key=f"decode-{suffix}")
-        resp = self._submit(Stage.RESPONSE, plain, st.response, dec, worker=rec.decode_worker,
-                            key=f"response-{suffix}")
-        step = self._submit(Stage.ENV_STEP, with_envs, st.env_step, observation, resp,
-                            worker=rec.env_worker, key=f"env_step-{suffix}")
+        step = self._submit(Stage.ENV_STEP, with_envs, env_step_after_decode, st.env_step,
+                            st.response, observation, dec, worker=rec.env_worker,
+                            key=f"env_step-{suffix}")
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
             self.router.started(w)
         self._turn_submitted[rec.traj_id] = time.time()
@@ -178,9 +181,9 @@ class RolloutDriver:
             self._drop(rec, DropReason.RUN_ENDED)
             return TurnOutcome(dropped=rec, next_turns=self._release_barrier())
         if self.cfg.rollout.env_barrier and not rec.evaluation:
-            self._held.append((rec, fut))
+            self._held.append((rec, obs))
             return TurnOutcome(next_turns=self._release_barrier())
-        return TurnOutcome(next_turns=[self._submit_turn(rec, fut)])
+        return TurnOutcome(next_turns=[self._submit_turn(rec, obs)])
 
     def _release_barrier(self) -> list[Future]:
         """Batch-level environment handling (a baseline): the held turns go on together once

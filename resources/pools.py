@@ -17,7 +17,6 @@ class Stage(StrEnum):
 
     PREFILL = "prefill"
     DECODE = "decode"
-    RESPONSE = "response"
     ENV_RESET = "env_reset"
     ENV_STEP = "env_step"
     ENV_CLOSE = "env_close"
@@ -51,12 +50,11 @@ class Role(StrEnum):
     ALL = "all"
 
 
-# The per-stage demand, declared once. ``response`` extracts the sampled tokens next to the
-# decode output; weight loading runs on the inference pool it loads into (see flows/rollout.py).
+# The per-stage demand, declared once. Weight loading runs on the inference pool it loads into
+# (see flows/trainer_handle.py).
 STAGE_TAG: dict[Stage, Tag] = {
     Stage.PREFILL: Tag.GPU_COMPUTE,
     Stage.DECODE: Tag.GPU_BANDWIDTH,
-    Stage.RESPONSE: Tag.GPU_BANDWIDTH,
     Stage.ENV_RESET: Tag.CPU_ENV,
     Stage.ENV_STEP: Tag.CPU_ENV,
     Stage.ENV_CLOSE: Tag.CPU_ENV,

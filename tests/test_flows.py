@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "flows" / "train.py")
 SHORT = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
          "cluster.dashboard_port=0"]
-STAGE_POOL = {"prefill": "compute", "decode": "bandwidth", "response": "bandwidth",
+STAGE_POOL = {"prefill": "compute", "decode": "bandwidth",
               "env_reset": "env", "env_step": "env", "score": "reward", "train_step": "trainer",
               "publish_weights": "trainer", "save_checkpoint": "trainer"}
 
