@@ -32,10 +32,12 @@ from pydantic import (
     model_validator,
 )
 
+from flows.dispatch import Dispatch
 from flows.orchestration import min_max_staleness
 from flows.workload import TurnShapeConfig
-from resources.affinity import Objective, Workload
+from resources.affinity import Objective, Workload, workload_model
 from resources.catalog import CATALOG, HardwareProfile, get_profile
+from resources.device_model import ModelSpec, model_spec
 from resources.emulated import DeviceEmulation, JudgeEmulation
 from resources.pools import PoolSpec, Role
 from resources.worker import backend_context
@@ -148,6 +150,10 @@ class RolloutConfig(_Strict):
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
+    dispatch: Dispatch = Field(
+        default=Dispatch.SPLIT, description="split: every turn's prefill on the compute pool and "
+        "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "
+        "whichever the device model says finishes first for its expected response length")
     env_barrier: bool = Field(
         default=False, description="Sync: batch-level environment handling, a baseline: each "
                                    "turn of the batch waits until every trajectory has finished "
@@ -414,6 +420,13 @@ class TrainConfig(_Strict):
         (colocated training time-shares them all with generation)."""
         pool = next(p for p in self.effective_pools() if p.role in (Role.TRAIN, Role.ALL))
         return pool.gpus * (pool.workers if pool.role is Role.ALL else 1)
+
+    def device_model(self) -> ModelSpec:
+        """The production model device times are computed for: the emulated one, else the
+        affinity router's workload."""
+        if self.engine.emulated:
+            return model_spec(self.engine.device.model)
+        return workload_model(self.affinity.workload)
 
     def pool_hardware(self) -> dict[str, tuple[dict, int]]:
         """Each effective pool's hardware profile and devices per worker."""

@@ -47,6 +47,7 @@ class RolloutRecord:
     env_step_s: float = 0.0
     handle: EnvHandle | None = None
     virtual_tokens: int = 0
+    last_shape: Any = None  # the TurnShape of the turn in flight (None: real lengths)
 
     @property
     def evaluation(self) -> bool:

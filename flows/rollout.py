@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from distributed import Client, Future, wait
 
 from flows.config import EnvTaskConfig, TrainConfig
+from flows.dispatch import ResponseLengths, TurnPlan, plan_turn
 from flows.episode import RolloutRecord, sampling_params, turn_ends
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.orchestration import Router, decode_seed
 from flows.workload import turn_shape
+from resources.device_model import DeviceModel
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_envs, with_registry
 from tasks.env_steps import env_step_after_decode
-from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory
+from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
 logger = logging.getLogger(__name__)
@@ -54,8 +56,12 @@ class RolloutDriver:
     """Submits and advances trajectories; reports finished and dropped ones."""
 
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
-                 ledger: TrajectoryLedger, stages: Stages, run_id: str = "run"):
+                 ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
+                 devices: dict[str, DeviceModel] | None = None):
         self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
+        # rollout.dispatch=length_aware: each inference worker's device model (None: split)
+        self.devices = devices
+        self.lengths = ResponseLengths()
         self.stages, self.run_id = stages, run_id
         self.sampling = sampling_params(cfg)
         # consecutive failed turns, retries included, before the run stops with the last error
@@ -92,11 +98,11 @@ class RolloutDriver:
 
     # -- submission -------------------------------------------------------------------------
     def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str,
-                **kwargs) -> Future:
+                tag: Tag | None = None, **kwargs) -> Future:
         self.stage_submitted[stage.value] = self.stage_submitted.get(stage.value, 0) + 1
         return self.client.submit(
             adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
-            resources=demand(stage), pure=False, **kwargs)
+            resources=demand(stage, tag), pure=False, **kwargs)
 
     def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
               eval_round: int | None = None) -> Future:
@@ -124,19 +130,19 @@ class RolloutDriver:
         """prefill -> decode -> env_step for turn ``rec.turn``; ``observation`` is the reset's
         future or the last turn's result."""
         suffix = f"{rec.traj_id}-{rec.turn}-{rec.attempt}"
-        # Decode stays on the worker holding the cache; prefill joins it when that worker can
-        # prefill too (colocation), else goes to the least-loaded compute worker.
-        rec.decode_worker = self.router.choose(Tag.GPU_BANDWIDTH, prefer=rec.decode_worker)
-        rec.prefill_worker = self.router.choose(Tag.GPU_COMPUTE, prefer=rec.decode_worker)
         st = self.stages
         shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn, rec.attempt)
+        rec.last_shape = shape
+        plan = self._plan(rec, observation, shape)
+        rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
         pre = self._submit(Stage.PREFILL, with_backend, st.prefill, rec.last_decode, observation,
-                           shape=shape, worker=rec.prefill_worker, key=f"prefill-{suffix}")
+                           shape=shape, worker=rec.prefill_worker, tag=plan.prefill_tag,
+                           key=f"prefill-{suffix}")
         dec = self._submit(
             Stage.DECODE, with_backend, st.decode, pre, rec.last_decode,
             params=(self.eval_sampling if rec.evaluation else self.sampling)[rec.env_task.name],
             seed=decode_seed(self.cfg.seed, rec.traj_id, rec.turn, rec.attempt), shape=shape,
-            worker=rec.decode_worker, key=f"decode-{suffix}")
+            worker=rec.decode_worker, tag=plan.decode_tag, key=f"decode-{suffix}")
         step = self._submit(Stage.ENV_STEP, with_envs, env_step_after_decode, st.env_step,
                             st.response, observation, dec, worker=rec.env_worker,
                             key=f"env_step-{suffix}")
@@ -146,6 +152,29 @@ class RolloutDriver:
         rec.last_decode = dec
         self._by_step[step.key] = rec.traj_id
         return step
+
+    def _plan(self, rec: RolloutRecord, observation: Future | EnvObservation,
+              shape: TurnShape | None) -> TurnPlan:
+        """Where the turn's prefill and decode run (:mod:`flows.dispatch`)."""
+        if self.devices is None:
+            # decode stays on the worker holding the cache; prefill joins it when that worker
+            # can prefill too (colocation), else goes to the least-loaded compute worker
+            dec = self.router.choose(Tag.GPU_BANDWIDTH, prefer=rec.decode_worker)
+            pre = self.router.choose(Tag.GPU_COMPUTE, prefer=dec)
+            return TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
+        if shape is not None:
+            prompt = shape.prompt_tokens
+        elif isinstance(observation, EnvObservation):
+            prompt = len(observation.input_ids)
+        else:
+            prompt = 0  # the reset's prompt is not known here; the first turn splits
+        context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
+        return plan_turn(self.devices, self.router.load,
+                         self.router.workers_by_tag[str(Tag.GPU_COMPUTE)],
+                         self.router.workers_by_tag[str(Tag.GPU_BANDWIDTH)],
+                         rec.decode_worker if rec.last_decode is not None else None,
+                         rec.decode_worker, prompt, context,
+                         self.lengths.expected(rec.env_task.name) if prompt else None)
 
     def _release(self, rec: RolloutRecord) -> None:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
@@ -157,6 +186,9 @@ class RolloutDriver:
         rec = self.live[self._by_step.pop(fut.key)]
         self._release(rec)
         self.error_streak = 0
+        shape = rec.last_shape
+        self.lengths.record(rec.env_task.name, obs.sample.virtual_tokens - shape.prompt_tokens
+                            if shape is not None else len(obs.sample.token_ids))
         remote = float(obs.info.get("remote_latency_s", 0.0)) * self.cfg.engine.time_scale
         self.turn_log.append((f"{rec.traj_id}-{rec.turn}-{rec.attempt}",
                               self._turn_submitted.pop(rec.traj_id), time.time(),

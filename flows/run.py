@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flows.config import TrainConfig, reward_callables
+from flows.dispatch import Dispatch
 from flows.evaluation import Evaluator
 from flows.events import Event, EventLoop, FutureKind
 from flows.lifecycle import DropReason, TrajectoryLedger, TrajState, Transition
@@ -35,7 +36,9 @@ from flows.orchestration import (
 from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver
 from flows.trainer_handle import TrainerHandle
+from resources.catalog import HardwareProfile
 from resources.cluster import ClusterHandle
+from resources.device_model import DeviceModel
 from resources.emulated import sequence_lengths
 from resources.placement import PlacementRecorder, placement_snapshot, task_stream_snapshot
 from resources.pools import Tag
@@ -75,7 +78,7 @@ class TrainingRun:
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
         self.driver = RolloutDriver(self.client, cfg, router, self.ledger, self.stages,
-                                    self.run_id)
+                                    self.run_id, devices=self._worker_devices())
         self.rewards = RewardDispatcher(self.client, cfg, router, self.ledger, self.stages,
                                         self.run_id, self.batch_trajectories)
         self.collector = GroupCollector()
@@ -87,7 +90,6 @@ class TrainingRun:
         # monolithic on emulated devices: training time-shares the engines' GPUs
         self.colocated_device = None
         if cfg.placement == "monolithic" and cfg.engine.emulated:
-            from resources.catalog import HardwareProfile
             from resources.emulated import device_of
 
             profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
@@ -98,6 +100,25 @@ class TrainingRun:
         self.batch_info: dict = {}
         self.last_metrics: dict = {}
         self.t0 = time.perf_counter()
+
+    def _worker_devices(self) -> dict[str, DeviceModel] | None:
+        """rollout.dispatch=length_aware: each inference worker's engine as the device model
+        sees it (None: the split, also when a worker's pool is unknown)."""
+        cfg = self.cfg
+        if cfg.rollout.dispatch is Dispatch.SPLIT:
+            return None
+        hardware, model = cfg.pool_hardware(), cfg.device_model()
+        devices = {}
+        for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
+            for w in self.cluster.workers_with(tag):
+                pool = self.cluster.worker_pool.get(w)
+                if pool not in hardware:
+                    logger.warning("worker %s is in no configured pool: turns are split", w)
+                    return None
+                profile, gpus = hardware[pool]
+                devices[w] = DeviceModel(model, HardwareProfile(**profile), gpus,
+                                         cfg.engine.device.mfu, cfg.engine.device.mbu)
+        return devices
 
     # -- recipe -----------------------------------------------------------------------------
     def setup(self) -> None:

@@ -43,10 +43,9 @@ class ClusterHandle:
         self.client.close()
 
 
-# Worker processes log warnings only, draw no progress bars, and never reach for a model hub.
+# Worker processes log warnings only, and never reach for a model hub.
 WORKER_ENV = {"DASK_LOGGING__DISTRIBUTED": "warning", "TRANSFORMERS_VERBOSITY": "error",
-              "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-              "TOKENIZERS_PARALLELISM": "false"}
+              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _free_port(preferred: int) -> int:

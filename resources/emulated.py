@@ -345,7 +345,10 @@ class EmulatedBackend:
                params: SamplingParams, seed: int, shape: TurnShape | None = None) -> DecodeOutput:
         t0 = time.perf_counter()
         if prefilled.engine_id != self.engine_id:  # the new tokens' KV crosses the network
-            seconds = self.engine.device.kv_transfer_time(prefilled.new_tokens)
+            moved = prefilled.new_tokens
+            if cache is not None and cache.engine_id != self.engine_id:
+                moved = prefilled.context  # ... and the context's, from where it last decoded
+            seconds = self.engine.device.kv_transfer_time(moved)
             self.engine.stats.kv_transfer_s += seconds
             self.engine.sleep(seconds)
         waited = time.perf_counter() - t0

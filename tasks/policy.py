@@ -140,7 +140,10 @@ def encode_next_turn(tokenizer, observation: str, response_ids: list[int]) -> li
 
 
 def save_policy(model: PreTrainedModel, tokenizer, path: str | Path) -> None:
+    from transformers.utils import logging as hf_logging
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # a one-shard tiny policy needs no bar in the logs
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

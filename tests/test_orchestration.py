@@ -115,3 +115,35 @@ def test_router_prefers_affinity_then_least_loaded():
     assert r.choose("GPU_BANDWIDTH", prefer="elsewhere") == "w2"
     with pytest.raises(LookupError):
         r.choose("TRAINER")
+
+
+def test_length_aware_dispatch_keeps_short_turns_on_fast_gpus_and_splits_long_ones():
+    from collections import Counter
+
+    from flows.dispatch import ResponseLengths, plan_turn
+    from resources.catalog import CATALOG
+    from resources.device_model import DeviceModel, model_spec
+    from resources.pools import Tag
+
+    m = model_spec("dense-8b")
+    devices = {"h800": DeviceModel(m, CATALOG["H800"]), "h20": DeviceModel(m, CATALOG["H20"])}
+    common = dict(devices=devices, compute=["h800"], bandwidth=["h20"], cache_at="h20",
+                  sticky="h20")
+    # the decode pool is busy and the compute pool idle: a short turn stays on the compute GPU
+    busy = Counter({"h800": 1, "h20": 64})
+    short = plan_turn(**common, load=busy, prompt=200, context=1000, expected_response=20)
+    assert (short.prefill_worker, short.decode_worker) == ("h800", "h800")
+    assert short.decode_tag is Tag.GPU_COMPUTE
+    # both pools equally loaded: a long turn is split, prefill on H800 and decode on H20
+    even = Counter({"h800": 30, "h20": 30})
+    long = plan_turn(**common, load=even, prompt=8000, context=4000, expected_response=2000)
+    assert (long.prefill_worker, long.decode_worker) == ("h800", "h20")
+    assert (long.prefill_tag, long.decode_tag) == (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
+    # nothing known about the env task's responses yet: today's split
+    first = plan_turn(**common, load=busy, prompt=200, context=1000, expected_response=None)
+    assert (first.prefill_worker, first.decode_worker, first.estimate_s) == ("h800", "h20", None)
+    lengths = ResponseLengths()
+    assert lengths.expected("a") is None
+    lengths.record("a", 10)
+    lengths.record("a", 30)
+    assert lengths.expected("a") == 20
