@@ -31,7 +31,8 @@ def _quantile(xs: list[float], q: float) -> float:
 def turn_overhead(stream: dict) -> dict[str, float]:
     """Per turn, the wall time from submission to the driver holding the result, split into
     the tasks' compute (emulated waits, then real work) and the rest: the driver's loop,
-    scheduling, messages and transfers (the orchestration overhead)."""
+    scheduling, messages and transfers (the orchestration overhead). A cohort's members share
+    its tasks: each member's turn counts their whole compute time."""
     compute: dict[str, float] = defaultdict(float)
     for key, _worker, start, stop in stream["tasks"]:
         stage, _, suffix = key.partition("-")
@@ -40,7 +41,7 @@ def turn_overhead(stream: dict) -> dict[str, float]:
         elif stage == "env_reset":
             compute[suffix] += stop - start  # the first turn's chain starts with the reset
     wall = emulated = task = 0.0
-    for suffix, submitted, done, waited in stream["turns"]:
+    for suffix, submitted, done, waited, _traj in stream["turns"]:
         wall += done - submitted
         emulated += waited
         task += compute.get(suffix, 0.0)
@@ -110,9 +111,8 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
 def longest_trajectory_s(stream: dict) -> float:
     """The longest trajectory's own work: its turns' emulated waits, back to back."""
     per_traj: dict[str, float] = defaultdict(float)
-    for suffix, _s, _d, waited in stream["turns"]:
-        tid, _turn, attempt = suffix.rsplit("-", 2)
-        per_traj[f"{tid}-{attempt}"] += waited
+    for _suffix, _s, _d, waited, traj in stream["turns"]:
+        per_traj[traj] += waited
     return max(per_traj.values(), default=0.0)
 
 

@@ -150,6 +150,9 @@ class RolloutConfig(_Strict):
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
     max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
+    cohort_max: int = Field(
+        default=64, ge=1, description="Turns ready at once on the same workers go as one task "
+        "per stage, this many trajectories at most (1: a task per trajectory and turn)")
     dispatch: Dispatch = Field(
         default=Dispatch.SPLIT, description="split: every turn's prefill on the compute pool and "
         "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "

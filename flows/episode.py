@@ -36,7 +36,9 @@ class RolloutRecord:
     env_worker: str | None = None
     decode_worker: str | None = None
     prefill_worker: str | None = None
-    last_decode: Any = None  # the DecodeOutput future of the last turn (the cache so far)
+    # the last turn's decode output (the cache so far): (its cohort's future, the index in it)
+    last_decode: Any = None
+    next_obs: Any = None  # the observation the next turn reads (None: reset first)
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -56,6 +58,7 @@ class RolloutRecord:
     def reset_record(self) -> None:
         self.turn = 0
         self.last_decode = None
+        self.next_obs = None
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None
         self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None

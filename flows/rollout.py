@@ -3,10 +3,17 @@
 A turn is ``prefill -> decode -> env_step``, submitted together with futures as arguments, so
 the cache handle moves worker to worker (decode -> prefill -> decode) and never through the
 driver; the driver waits only for env_step's small result, and hands it by value to the next
-turn's tasks (one dependency fetch less per turn). env_step extracts the response from the
-decode output itself (``Stages.response``): three tasks per turn, not four. Keys are
-``"{stage}-{trajectory}-{turn}-{attempt}"``: the dashboard groups by stage and a restarted
-trajectory never picks up an old key's result. The functions submitted are those of a
+turn's tasks. env_step extracts the response from the decode output itself
+(``Stages.response``): three tasks per turn.
+
+Turns that are ready at the same moment on the same workers go as one *cohort*
+(:mod:`tasks.cohort`, at most ``rollout.cohort_max`` trajectories): one task per stage for all of
+them, their members run side by side inside it. A Dask task costs about a millisecond of
+orchestration whatever it computes, so this is what lets the embedded default's millisecond
+turns run at the speed of a single-process loop; ``cohort_max: 1`` submits every trajectory's
+turn on its own. Keys are ``"{stage}-{trajectory}-{turn}-{attempt}"`` for a single trajectory and
+``"{stage}-c{cohort}-{members}-0"`` for a cohort: the dashboard groups by stage and a restarted
+trajectory never picks up an old key's result. The functions run are those of a
 :class:`tasks.stages.Stages`; every change of a trajectory's state goes through the
 :class:`flows.lifecycle.TrajectoryLedger`.
 """
@@ -28,7 +35,7 @@ from flows.workload import turn_shape
 from resources.device_model import DeviceModel
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_envs, with_registry
-from tasks.env_steps import env_step_after_decode
+from tasks.cohort import MemberError, decode_many, env_reset_many, env_step_many, prefill_many
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
@@ -37,11 +44,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TurnOutcome:
-    # turns submitted: the trajectory's next one, or with rollout.env_barrier every turn held
-    # at the barrier once the last of the batch arrived
-    next_turns: list[Future] = field(default_factory=list)
-    finished: tuple[RolloutRecord, Trajectory] | None = None  # the trajectory finished...
-    dropped: RolloutRecord | None = None  # ...or was dropped (its reason is in the ledger)
+    """What one cohort's turn did to its members."""
+
+    finished: list[tuple[RolloutRecord, Trajectory]] = field(default_factory=list)
+    dropped: list[RolloutRecord] = field(default_factory=list)  # reasons are in the ledger
+
+
+@dataclass
+class _Cohort:
+    traj_ids: list[int]
+    suffix: str  # of its tasks' keys
+    submitted: float  # wall clock
 
 
 # evaluation episodes' trajectory ids start here (training ids count up from 0)
@@ -53,7 +66,11 @@ class RolloutFailing(RunFailing):
 
 
 class RolloutDriver:
-    """Submits and advances trajectories; reports finished and dropped ones."""
+    """Submits and advances trajectories; reports finished and dropped ones.
+
+    ``start`` admits a trajectory and a finished turn readies the next one; ``flush`` submits
+    every ready turn, in cohorts, and returns the futures to wait on; ``on_turn`` takes a
+    cohort's results (or its failure) back."""
 
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
@@ -70,7 +87,9 @@ class RolloutDriver:
         self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
                               for name, sp in self.sampling.items()}
         self.live: dict[int, RolloutRecord] = {}
-        self._by_step: dict[str, int] = {}  # env_step key -> trajectory id
+        self._ready: list[RolloutRecord] = []  # next turn to submit (rec.next_obs; None: reset)
+        self._cohorts: dict[str, _Cohort] = {}  # by the key of its env_step
+        self._next_cohort = 0
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.stage_submitted: dict[str, int] = {}
         self._next_id = 0
@@ -80,12 +99,12 @@ class RolloutDriver:
         self._stopping = False
         self.error_streak = 0
         self._closing: list[Future] = []
-        # per turn (submitted, answered) wall-clock times and the emulated waits within: the
-        # benchmark subtracts the tasks' compute intervals to get the orchestration overhead
-        self.turn_log: list[tuple[str, float, float, float]] = []
-        self._turn_submitted: dict[int, float] = {}
+        # per turn: its tasks' key suffix, (submitted, answered) wall-clock times, the emulated
+        # waits within, and "trajectory-attempt": the benchmark subtracts the tasks' compute
+        # intervals to get the orchestration overhead
+        self.turn_log: list[tuple[str, float, float, float, str]] = []
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
-        self._held: list[tuple[RolloutRecord, EnvObservation]] = []
+        self._held: list[RolloutRecord] = []
 
     @property
     def stopping(self) -> bool:
@@ -105,8 +124,8 @@ class RolloutDriver:
             resources=demand(stage, tag), pure=False, **kwargs)
 
     def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
-              eval_round: int | None = None) -> Future:
-        """Admit a new trajectory and submit its first turn; the future is its env_step."""
+              eval_round: int | None = None) -> None:
+        """Admit a new trajectory; its first turn goes with the next :meth:`flush`."""
         if eval_round is None:
             tid, self._next_id = self._next_id, self._next_id + 1
         else:
@@ -114,46 +133,76 @@ class RolloutDriver:
         rec = RolloutRecord(tid, group_id, env_task, seed, eval_round=eval_round)
         self.ledger.admit(rec.traj_id, rec.evaluation)
         self.live[rec.traj_id] = rec
-        return self._start(rec)
+        self._restart(rec)
 
-    def _start(self, rec: RolloutRecord) -> Future:
+    def _restart(self, rec: RolloutRecord) -> None:
+        """From a fresh environment: a reset, then the first turn."""
         self.ledger.transition(rec.traj_id, TrajState.ROLLING_OUT)
         rec.env_worker = self.router.choose(Tag.CPU_ENV)
         rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
-        reset = self._submit(
-            Stage.ENV_RESET, with_envs, self.stages.env_reset, rec.env_task.env, rec.seed,
-            rec.handle.instance_id, self.cfg.policy.system_prompt, worker=rec.env_worker,
-            key=f"env_reset-{rec.traj_id}-0-{rec.attempt}")
-        return self._submit_turn(rec, reset)
+        rec.next_obs = None
+        self._ready.append(rec)
 
-    def _submit_turn(self, rec: RolloutRecord, observation: Future | EnvObservation) -> Future:
-        """prefill -> decode -> env_step for turn ``rec.turn``; ``observation`` is the reset's
-        future or the last turn's result."""
-        suffix = f"{rec.traj_id}-{rec.turn}-{rec.attempt}"
+    def flush(self) -> list[Future]:
+        """Submit every ready turn, as cohorts of trajectories that share their workers; the
+        futures (one env_step per cohort) are what to wait on."""
+        ready, self._ready = self._ready, []
+        groups: dict[tuple, list[tuple[RolloutRecord, TurnShape | None]]] = {}
+        for rec in ready:
+            shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
+                               rec.attempt)
+            rec.last_shape = shape
+            plan = self._plan(rec, rec.next_obs, shape)
+            rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
+            for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
+                self.router.started(w)
+            key = (rec.next_obs is None, rec.env_worker, plan.prefill_worker, plan.prefill_tag,
+                   plan.decode_worker, plan.decode_tag)
+            groups.setdefault(key, []).append((rec, shape))
+        size = self.cfg.rollout.cohort_max
+        return [self._submit_cohort(key, members[i:i + size])
+                for key, members in groups.items() for i in range(0, len(members), size)]
+
+    def _submit_cohort(self, key: tuple, members: list[tuple[RolloutRecord, TurnShape | None]]
+                       ) -> Future:
+        """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members."""
+        fresh, env_w, pre_w, pre_tag, dec_w, dec_tag = key
+        recs = [rec for rec, _ in members]
+        shapes = [shape for _, shape in members]
+        if len(recs) == 1:
+            r = recs[0]
+            suffix = f"{r.traj_id}-{r.turn}-{r.attempt}"
+        else:
+            suffix = f"c{self._next_cohort}-{len(recs)}-0"
+        self._next_cohort += 1
         st = self.stages
-        shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn, rec.attempt)
-        rec.last_shape = shape
-        plan = self._plan(rec, observation, shape)
-        rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
-        pre = self._submit(Stage.PREFILL, with_backend, st.prefill, rec.last_decode, observation,
-                           shape=shape, worker=rec.prefill_worker, tag=plan.prefill_tag,
+        if fresh:
+            reset = self._submit(
+                Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
+                [r.env_task.env for r in recs], [r.seed for r in recs],
+                [r.handle.instance_id for r in recs], self.cfg.policy.system_prompt,
+                worker=env_w, key=f"env_reset-{suffix}")
+            observations = [(reset, i) for i in range(len(recs))]
+        else:
+            observations = [r.next_obs for r in recs]
+        pasts = [r.last_decode for r in recs]
+        pre = self._submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts,
+                           observations, shapes, worker=pre_w, tag=pre_tag,
                            key=f"prefill-{suffix}")
-        dec = self._submit(
-            Stage.DECODE, with_backend, st.decode, pre, rec.last_decode,
-            params=(self.eval_sampling if rec.evaluation else self.sampling)[rec.env_task.name],
-            seed=decode_seed(self.cfg.seed, rec.traj_id, rec.turn, rec.attempt), shape=shape,
-            worker=rec.decode_worker, tag=plan.decode_tag, key=f"decode-{suffix}")
-        step = self._submit(Stage.ENV_STEP, with_envs, env_step_after_decode, st.env_step,
-                            st.response, observation, dec, worker=rec.env_worker,
-                            key=f"env_step-{suffix}")
-        for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-            self.router.started(w)
-        self._turn_submitted[rec.traj_id] = time.time()
-        rec.last_decode = dec
-        self._by_step[step.key] = rec.traj_id
+        params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
+                  for r in recs]
+        seeds = [decode_seed(self.cfg.seed, r.traj_id, r.turn, r.attempt) for r in recs]
+        dec = self._submit(Stage.DECODE, with_backend, decode_many, st.decode, pre, pasts,
+                           params, seeds, shapes, worker=dec_w, tag=dec_tag,
+                           key=f"decode-{suffix}")
+        step = self._submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
+                            observations, dec, worker=env_w, key=f"env_step-{suffix}")
+        for i, r in enumerate(recs):
+            r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
+        self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time())
         return step
 
-    def _plan(self, rec: RolloutRecord, observation: Future | EnvObservation,
+    def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
         """Where the turn's prefill and decode run (:mod:`flows.dispatch`)."""
         if self.devices is None:
@@ -181,18 +230,40 @@ class RolloutDriver:
             self.router.finished(w)
 
     # -- completion -------------------------------------------------------------------------
-    def on_step(self, fut: Future, obs: EnvObservation) -> TurnOutcome:
-        """A turn's env_step finished with ``obs``."""
-        rec = self.live[self._by_step.pop(fut.key)]
-        self._release(rec)
-        self.error_streak = 0
+    def on_turn(self, fut: Future, results: list | None) -> TurnOutcome:
+        """A cohort's env_step finished: ``results`` holds each member's observation or
+        :class:`tasks.cohort.MemberError` (None: the whole cohort failed or was lost)."""
+        cohort = self._cohorts.pop(fut.key)
+        now = time.time()
+        if results is None:
+            exc = fut.exception() if fut.status == "error" else RuntimeError(
+                f"{fut.status}: result lost")
+            results = [MemberError(f"{type(exc).__name__}: {str(exc)[:300]}")] * len(
+                cohort.traj_ids)
+        out = TurnOutcome()
+        for tid, res in zip(cohort.traj_ids, results, strict=True):
+            rec = self.live[tid]
+            self._release(rec)
+            if isinstance(res, MemberError):
+                self._member_failed(rec, res.error, out)
+            else:
+                self._log_turn(rec, res, cohort, now)
+                self._member_stepped(rec, res, out)
+        self._release_barrier()
+        return out
+
+    def _log_turn(self, rec: RolloutRecord, obs: EnvObservation, cohort: _Cohort,
+                  now: float) -> None:
         shape = rec.last_shape
         self.lengths.record(rec.env_task.name, obs.sample.virtual_tokens - shape.prompt_tokens
                             if shape is not None else len(obs.sample.token_ids))
         remote = float(obs.info.get("remote_latency_s", 0.0)) * self.cfg.engine.time_scale
-        self.turn_log.append((f"{rec.traj_id}-{rec.turn}-{rec.attempt}",
-                              self._turn_submitted.pop(rec.traj_id), time.time(),
-                              obs.sample.emulated_wait_s + remote))
+        self.turn_log.append((cohort.suffix, cohort.submitted, now,
+                              obs.sample.emulated_wait_s + remote,
+                              f"{rec.traj_id}-{rec.attempt}"))
+
+    def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
+        self.error_streak = 0
         rec.record_turn(obs)
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
@@ -206,47 +277,42 @@ class RolloutDriver:
             del self.live[rec.traj_id]
             self.ledger.transition(rec.traj_id, TrajState.EVALUATED if rec.evaluation
                                    else TrajState.AWAITING_SCORE)
-            return TurnOutcome(finished=(rec, rec.to_trajectory(obs, context_limited)),
-                               next_turns=self._release_barrier())
-        if self._stopping and not rec.evaluation:  # run over: this turn was the last
+            out.finished.append((rec, rec.to_trajectory(obs, context_limited)))
+        elif self._stopping and not rec.evaluation:  # run over: this turn was the last
             self.close_env(rec)
             self._drop(rec, DropReason.RUN_ENDED)
-            return TurnOutcome(dropped=rec, next_turns=self._release_barrier())
-        if self.cfg.rollout.env_barrier and not rec.evaluation:
-            self._held.append((rec, obs))
-            return TurnOutcome(next_turns=self._release_barrier())
-        return TurnOutcome(next_turns=[self._submit_turn(rec, obs)])
+            out.dropped.append(rec)
+        else:
+            rec.next_obs = obs
+            (self._held if self.cfg.rollout.env_barrier and not rec.evaluation
+             else self._ready).append(rec)
 
-    def _release_barrier(self) -> list[Future]:
+    def _release_barrier(self) -> None:
         """Batch-level environment handling (a baseline): the held turns go on together once
         no training trajectory has a turn in flight."""
-        if not self._held or any(not self.live[t].evaluation for t in self._by_step.values()):
-            return []
-        held, self._held = self._held, []
-        return [self._submit_turn(rec, fut) for rec, fut in held]
+        if self._held and not any(not self.live[t].evaluation for c in self._cohorts.values()
+                                  for t in c.traj_ids):
+            self._ready.extend(self._held)
+            self._held = []
 
-    def on_error(self, fut: Future) -> TurnOutcome:
+    def _member_failed(self, rec: RolloutRecord, error: str, out: TurnOutcome) -> None:
         """A turn failed (worker lost, task error). Restart the trajectory from a fresh
         environment while attempts remain, else drop it with the reason."""
-        rec = self.live[self._by_step.pop(fut.key)]
-        self._release(rec)
-        self._turn_submitted.pop(rec.traj_id, None)
-        exc = fut.exception() if fut.status == "error" else RuntimeError(
-            f"{fut.status}: result lost")
-        logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, exc)
+        logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, error)
         self.close_env(rec)
         self.error_streak += 1
         if self.error_streak >= self.max_error_streak:
             # every turn failing (an environment that cannot start, ...) would spin the run
             raise RolloutFailing(f"the last {self.error_streak} turns failed, the last with "
-                                 f"{type(exc).__name__}: {str(exc)[:300]}")
+                                 f"{error}")
         if rec.attempt + 1 < self.cfg.rollout.max_attempts and (not self._stopping
                                                                  or rec.evaluation):
             rec.attempt += 1
             rec.reset_record()
-            return TurnOutcome(next_turns=[self._start(rec)])
-        self._drop(rec, DropReason.ROLLOUT_ERROR, f"{type(exc).__name__}: {str(exc)[:200]}")
-        return TurnOutcome(dropped=rec, next_turns=self._release_barrier())
+            self._restart(rec)
+            return
+        self._drop(rec, DropReason.ROLLOUT_ERROR, error[:200])
+        out.dropped.append(rec)
 
     def _drop(self, rec: RolloutRecord, reason: DropReason, detail: str = "") -> None:
         del self.live[rec.traj_id]

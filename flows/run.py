@@ -154,6 +154,8 @@ class TrainingRun:
                 self.events.track(fut, FutureKind.SCORE)
             self._maybe_train()
             self._admit()  # after a batch was cut: its room is refilled at once
+            for fut in self.driver.flush():  # every turn made ready since: new, next, retried
+                self.events.track(fut, FutureKind.TURN)
             if self.events.empty():
                 if self.version < self.cfg.trainer.max_steps:
                     raise RuntimeError(
@@ -189,7 +191,7 @@ class TrainingRun:
         for gid, env_task, seed in self.draw.take(admission_room(self._admission())):
             self.collector.open_group(gid, env_task.name, env_task.group_size)
             for _ in range(env_task.group_size):
-                self.events.track(self.driver.start(gid, env_task, seed), FutureKind.TURN)
+                self.driver.start(gid, env_task, seed)
 
     def _maybe_train(self) -> None:
         if self.trainer_busy or self.version >= self.cfg.trainer.max_steps:
@@ -227,21 +229,17 @@ class TrainingRun:
 
     # -- completions ------------------------------------------------------------------------
     def _on_turn(self, ev: Event) -> None:
-        out = (self.driver.on_step(ev.future, ev.result) if ev.ok
-               else self.driver.on_error(ev.future))
-        for fut in out.next_turns:
-            self.events.track(fut, FutureKind.TURN)
-        if out.finished is not None:
-            rec, traj = out.finished
+        out = self.driver.on_turn(ev.future, ev.result if ev.ok else None)
+        for rec, traj in out.finished:
             if rec.evaluation:
                 self._on_eval_episode(rec.eval_round, traj)
             else:
                 self.rewards.queue(traj)
-        elif out.dropped is not None:
-            if out.dropped.evaluation:
-                self._on_eval_episode(out.dropped.eval_round, None)
+        for rec in out.dropped:
+            if rec.evaluation:
+                self._on_eval_episode(rec.eval_round, None)
             elif not self.driver.stopping:  # once stopping, its group ends with the run
-                self._group_lost_member(out.dropped.group_id)
+                self._group_lost_member(rec.group_id)
 
     def _on_score(self, ev: Event) -> None:
         outcome = self.rewards.on_scored(ev.future, ev.result)
@@ -270,8 +268,7 @@ class TrainingRun:
             self.loads_pending += 1
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
-                self.events.track(self.driver.start(ep.group_id, ep.env_task, ep.seed,
-                                                    eval_round=ep.round_id), FutureKind.TURN)
+                self.driver.start(ep.group_id, ep.env_task, ep.seed, eval_round=ep.round_id)
 
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1
@@ -322,8 +319,8 @@ class TrainingRun:
                 "lost": self.rewards.lost()},
             "live_env_instances_at_end": live_envs,
             "turns": {"count": len(turns),
-                      "wall_s_mean": sum(b - a for _, a, b, _ in turns) / max(len(turns), 1),
-                      "emulated_wait_s_mean": sum(e for *_, e in turns) / max(len(turns), 1)},
+                      "wall_s_mean": sum(t[2] - t[1] for t in turns) / max(len(turns), 1),
+                      "emulated_wait_s_mean": sum(t[3] for t in turns) / max(len(turns), 1)},
             "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
                         for a, r in reports.items()},
             "train_windows_s": [(a - self.t0, b - self.t0) for a, b in self.train_windows],

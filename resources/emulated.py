@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from resources.catalog import HardwareProfile
 from resources.device_model import DeviceModel, model_spec
@@ -65,6 +65,19 @@ class DeviceEmulation(BaseModel):
                               "max_num_batched_tokens)")
     max_seqs: int = Field(default=256, ge=1, description="Sequences one engine runs at once at "
                           "most (vLLM's max_num_seqs)")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        return _check_model(v)
+
+
+def _check_model(name: str) -> str:
+    try:
+        model_spec(name)
+    except (KeyError, OSError, ValueError) as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    return name
 
 
 @dataclass
@@ -467,6 +480,11 @@ class JudgeEmulation(BaseModel):
     profile: str = Field(default="H800", description="GPUs the reward model runs on")
     gpus: int = Field(default=1, ge=1, description="Devices per engine (serverless: per "
                       "instance; local: the dedicated pool)")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        return _check_model(v)
 
 
 class JudgedRewardClient:

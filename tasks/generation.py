@@ -33,16 +33,19 @@ from tasks.records import (
 
 def prefill(backend, past: DecodeOutput | None, observation: EnvObservation,
             shape: TurnShape | None = None):
-    """Read the observation's tokens after the trajectory's cache so far."""
+    """Read the observation's tokens after the trajectory's cache so far (``shape``, the
+    turn's virtual lengths, goes only to backends that emulate devices: it is None otherwise)."""
+    extra = {"shape": shape} if shape is not None else {}
     return backend.prefill(past.cache if past is not None else None, list(observation.input_ids),
-                           shape=shape)
+                           **extra)
 
 
 def decode(backend, prefilled, past: DecodeOutput | None, params: SamplingParams,
            seed: int, shape: TurnShape | None = None) -> DecodeOutput:
     """Sample the turn's response from what prefill left."""
+    extra = {"shape": shape} if shape is not None else {}
     return backend.decode(prefilled, past.cache if past is not None else None, params, seed,
-                          shape=shape)
+                          **extra)
 
 
 def response_of(decoded: DecodeOutput) -> TurnSample:

@@ -22,8 +22,9 @@ Contract:
   ``TurnSample.oldest_version`` is the oldest version of *any* forward pass of the turn,
   KV-only ones included (prefill, and decode passes that only extend the cache), because later
   turns read that KV: staleness counts it.
-- ``shape`` (a :class:`tasks.records.TurnShape` or None) gives the turn's *virtual* prompt and
-  response lengths on emulated devices; a real backend ignores it.
+- ``shape`` (a :class:`tasks.records.TurnShape`) gives the turn's *virtual* prompt and
+  response lengths when the env task has a workload shape (emulated devices); it is passed only
+  then, and a real backend ignores it.
 - ``load_weights`` switches at a safe point (between forward passes), never to an older version,
   and returns the version in use.
 - Returned records hold CPU numpy arrays or plain Python, never CUDA or bf16 tensors (Dask's

@@ -11,17 +11,20 @@ import pytest
 
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
 from flows.launch import start_reward_service
-from tasks.components import describe, instantiate, resolve
+from tasks.components import accepts, describe, instantiate, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((ROOT / "config").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "config").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_and_components_resolve(path):
     cfg = load_config(path)
     for task in cfg.env_tasks:
-        env = instantiate(task.env)
+        # remote-latency environments of the bench workloads wait a thousandth of their latency
+        scaled = {"time_scale": 1e-3} if accepts(resolve(task.env["_component_"]),
+                                                  "time_scale") else {}
+        env = instantiate(task.env, **scaled)
         obs, info = env.reset(seed=1)
         assert isinstance(obs, str) and obs
         assert callable(resolve(task.reward_fn))
@@ -61,6 +64,15 @@ def test_config_loads_and_components_resolve(path):
     ("trainer.loss._component_=tasks.losses.nope", "trainer.loss"),
     ("reward.endpoint_url=http://127.0.0.1:1", "reward.endpoint_url"),
     ("cluster.pools.4.role=env", "serverless"),
+    # emulated devices
+    ("engine.backend=tpu", "engine.backend"),
+    ("engine.time_scale=0", "engine.time_scale"),
+    ("engine.device.model=gpt-9", "engine.device.model"),
+    ("rollout.env_barrier=true", "rollout.env_barrier"),  # a baseline of sync mode only
+    ("reward.judge={model: dense-8b}", "reward.judge"),  # needs the emulated backend
+    ("env_tasks.0.shape={prompt_tokens: {median: 0}, turn_tokens: {median: 1}, "
+     "response_tokens: {median: 1}}", "env_tasks.0.shape.prompt_tokens.median"),
+    ("rollout.dispatch=random", "rollout.dispatch"),
 ])
 def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:

@@ -151,3 +151,40 @@ def test_the_emulated_backend_gives_the_real_backends_tokens():
     assert frozen and all(t.virtual_tokens >= 800 + t.num_turns for t in frozen)
     # an env task without a shape counts its real lengths
     assert all(t.virtual_tokens == len(t.token_ids) for t in trajs if t.env_name != "frozenlake")
+
+
+def test_a_reward_model_queues_on_a_dedicated_pool_and_scales_out_serverless():
+    """Eight concurrent scoring calls of 20k tokens each: on the dedicated engine they share one
+    H800 (its busy time is the sum of their prefills); serverless, each call has an instance of
+    its own, so they overlap and are billed per use."""
+    from resources.emulated import JudgedRewardClient
+    from resources.reward_client import LocalRewardClient
+    from tasks.records import ScoreRequest
+
+    requests = [ScoreRequest(id=str(i), idempotency_key=f"k/{i}", reward_fn="tasks.rewards."
+                             "env_return", env_name="x", env_rewards=[1.0], responses=["a"],
+                             info={}, virtual_tokens=20_000) for i in range(8)]
+    device = DeviceModel(model_spec("dense-8b"), H800)
+    one = device.prefill_time(20_000)
+    walls = {}
+    for dedicated in (True, False):
+        client = JudgedRewardClient(LocalRewardClient(), device, 0.2, dedicated)
+        try:
+            threads = [threading.Thread(target=client.score, args=([r],)) for r in requests]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            walls[dedicated] = time.perf_counter() - t0
+            stats = client.stats()
+        finally:
+            client.close()
+        if dedicated:
+            # chunked into shared steps: never more device time than eight prefills apart
+            assert 0 < stats["dedicated_busy_s"] <= 8 * one * 1.01
+        else:
+            assert stats["serverless_billed_s"] == pytest.approx(8 * one)
+    assert walls[False] < walls[True]  # serverless instances run side by side
+    # the virtual tokens stay out of the JSON a Lambda function receives
+    assert "virtual_tokens" not in requests[0].to_json()

@@ -201,3 +201,37 @@ def test_a_run_whose_every_trajectory_fails_stops_with_one_line(tmp_path):
     with pytest.raises(RunFailing) as exc:
         run_training(cfg, tmp_path / "run", dashboard=lambda line: None)
     assert "OSError: sandbox unreachable" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_batch_level_environment_handling_holds_each_turn_for_the_whole_batch(tmp_path):
+    """rollout.env_barrier (the baseline of trajectory-level handling): no trajectory starts
+    turn t+1 before every trajectory still running has finished turn t; without it they do."""
+    import json
+
+    def turn_starts_and_ends(env_barrier: bool) -> tuple[dict, dict]:
+        run_dir = tmp_path / f"barrier-{env_barrier}"
+        cfg = load_config(overrides=[*QUIET, "mode=sync", "trainer.max_steps=1",
+                                     "trainer.groups_per_step=2", "reward.backend=local",
+                                     "cluster.processes=false", "metrics.task_stream=true",
+                                     "rollout.cohort_max=1",  # a task per trajectory and turn
+                                     f"rollout.env_barrier={str(env_barrier).lower()}"])
+        run_training(cfg, run_dir, dashboard=lambda line: None)
+        stream = json.loads((run_dir / "task_stream.json").read_text())
+        starts, ends = {}, {}
+        for key, _worker, start, stop in stream["tasks"]:
+            stage, _, suffix = key.partition("-")
+            if stage not in ("prefill", "env_step"):
+                continue
+            _tid, turn, _attempt = (int(x) for x in suffix.split("-"))
+            if stage == "prefill":
+                starts.setdefault(turn, []).append(start)
+            elif stage == "env_step":
+                ends.setdefault(turn, []).append(stop)
+        return starts, ends
+
+    starts, ends = turn_starts_and_ends(True)
+    assert len(starts) > 2  # several turns
+    for turn in sorted(starts)[1:]:
+        assert min(starts[turn]) >= max(ends[turn - 1])
+    starts, ends = turn_starts_and_ends(False)
+    assert any(min(starts[t]) < max(ends[t - 1]) for t in sorted(starts)[1:])
