@@ -152,7 +152,8 @@ def system_table(results: dict[str, dict], baseline: str) -> str:
             f"{r['staleness_mean']:.2f}/{r['staleness_max']}",
             ", ".join(f"{k} {v}" for k, v in r["dropped"].items()) or "0",
             ", ".join(f"{k} {v:.2f}" for k, v in r["success"].items() if v is not None),
-            per_step_bound, r["wall_s"] / max(r["bound_s"], 1e-9),
+            per_step_bound if r["bound_s"] > 0 else None,
+            r["wall_s"] / r["bound_s"] if r["bound_s"] > 0 else None,
             f"{ov['orchestration_fraction']:.1%}" if ov else "-"])
     return markdown_table(header, rows)
 
