@@ -82,7 +82,8 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
     # the analytic lower bound: each pool's device work spread evenly over its engines, and
     # the trainer's work; no schedule finishes sooner than the busiest of them
     bounds = {f"pool {name}": p["busy_s"] / max(p["engines"], 1) for name, p in pools.items()}
-    bounds["trainer"] = trainer_busy
+    if trainer_busy:
+        bounds["trainer"] = trainer_busy
     out: dict[str, Any] = {
         "wall_s": wall, "steps": len(rows),
         "step_s_median": median(steps) if steps else float("nan"),
@@ -104,7 +105,8 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
         stream = json.loads(stream_file.read_text())
         out["overhead"] = turn_overhead(stream)
         out["critical_path_s"] = longest_trajectory_s(stream) * to_emu
-        out["bound_s"] = max(out["bound_s"], out["critical_path_s"])
+        if pools:  # on real devices the work per pool is not known: no bound
+            out["bound_s"] = max(out["bound_s"], out["critical_path_s"])
     return out
 
 
@@ -194,12 +196,12 @@ def draw_timeline(ax, stream: dict, title: str, time_scale: float) -> None:
         lanes = _lanes(by_worker[w])
         depth = max(lane for lane, *_ in lanes) + 1
         height = 0.9 / depth
-        for stage in STAGE_COLOURS:
-            bars = [(s, e - s) for lane, s, e, st in lanes if st == stage]
-            ys = [lane for lane, s, e, st in lanes if st == stage]
-            for (start, width), lane in zip(bars, ys, strict=True):
-                ax.broken_barh([(start, width)], (y + lane * height, height),
-                               facecolors=STAGE_COLOURS[stage], linewidth=0)
+        bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+        for lane, start, stop, stage in lanes:
+            bars[lane, stage].append((start, stop - start))
+        for (lane, stage), xranges in bars.items():  # one artist per lane and stage
+            ax.broken_barh(xranges, (y + lane * height, height),
+                           facecolors=STAGE_COLOURS.get(stage, "#cccccc"), linewidth=0)
         ticks.append(y + 0.45)
         labels.append(f"{pool_of.get(w, '')} {w.rsplit(':', 1)[-1]}")
         y += 1.0
@@ -220,7 +222,7 @@ def save_timelines(streams: dict[str, dict], path: Path, time_scale: float) -> N
     for ax, (name, stream) in zip(axes[0], streams.items(), strict=True):
         draw_timeline(ax, stream, name, time_scale)
     handles = [Patch(color=c, label=s) for s, c in STAGE_COLOURS.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=(len(handles) + 1) // 2, fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

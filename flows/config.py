@@ -39,8 +39,8 @@ from resources.affinity import Objective, Workload, workload_model
 from resources.catalog import CATALOG, HardwareProfile, get_profile
 from resources.device_model import ModelSpec, model_spec
 from resources.emulated import DeviceEmulation, JudgeEmulation
+from resources.engine import backend_context
 from resources.pools import PoolSpec, Role
-from resources.worker import backend_context
 from tasks.components import COMPONENT, check_component, check_signature, describe, resolve
 from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec

@@ -41,8 +41,8 @@ from flows.metrics import batch_metrics
 from flows.orchestration import GroupCollector, GroupDraw, decode_seed
 from flows.workload import turn_shape
 from resources.catalog import HardwareProfile
+from resources.engine import backend_context
 from resources.reward_backends import build_reward_client
-from resources.worker import backend_context
 from tasks.components import COMPONENT, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.policy import load_tokenizer

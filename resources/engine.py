@@ -21,11 +21,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from resources.catalog import HardwareProfile
+from tasks.components import accepts
 from tasks.generation import kv_decode, kv_prefill
 from tasks.policy import PolicySpec, kv_geometry, load_policy, stop_token_ids
 from tasks.records import (
@@ -254,3 +257,12 @@ def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.
     model, tokenizer = load_policy(policy)
     return HFBackend(InferenceEngine(model, max_batch=max_batch, batch_wait_s=batch_wait_s),
                      tokenizer, stop_token_ids(tokenizer), policy.max_context)
+
+
+def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,
+                    engine_id: str = "engine") -> dict[str, Any]:
+    """What a backend factory is given beside ``policy`` and ``max_batch``: the worker's
+    ``hardware`` and ``gpus``, the ``device`` and ``time_scale`` of ``engine`` config, and an
+    ``engine_id``, each only if the factory takes it (the ``hf`` backend takes none)."""
+    offered = {"hardware": hardware, "gpus": gpus, "engine_id": engine_id, **emulation}
+    return {k: v for k, v in offered.items() if accepts(factory, k)}

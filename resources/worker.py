@@ -20,7 +20,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from resources.catalog import HardwareProfile
 from resources.device_model import DeviceModel, model_spec
-from tasks.components import COMPONENT, accepts, bind, instantiate, resolve
+from resources.engine import backend_context
+from tasks.components import COMPONENT, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.inference import InferenceBackend
 from tasks.policy import PolicySpec, load_tokenizer
@@ -30,15 +31,6 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "rollarc"
 TORCH_THREADS_ENV = "ROLLARC_TORCH_THREADS"
-
-
-def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,
-                    engine_id: str = "engine") -> dict[str, Any]:
-    """What a backend factory is given beside ``policy`` and ``max_batch``: the worker's
-    ``hardware`` and ``gpus``, the ``device`` and ``time_scale`` of ``engine`` config, and an
-    ``engine_id``, each only if the factory takes it (the ``hf`` backend takes none)."""
-    offered = {"hardware": hardware, "gpus": gpus, "engine_id": engine_id, **emulation}
-    return {k: v for k, v in offered.items() if accepts(factory, k)}
 
 
 class RollArcWorkerPlugin(WorkerPlugin):

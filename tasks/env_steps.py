@@ -94,13 +94,6 @@ def env_step(registry, tokenizer, prev: EnvObservation, sample: TurnSample) -> E
     )
 
 
-def env_step_after_decode(registry, tokenizer, step_fn, response_fn, prev: EnvObservation,
-                          decoded) -> EnvObservation:
-    """``step_fn`` on the response ``response_fn`` extracts from a decode output: one task
-    instead of two per turn (the decode output's cache handle is small, or a reference)."""
-    return step_fn(registry, tokenizer, prev, response_fn(decoded))
-
-
 def env_close(registry, handle: EnvHandle) -> bool:
     """Close an instance whose trajectory was dropped; True if it was still open."""
     return registry.close(handle.instance_id)
