@@ -67,7 +67,11 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
     pools: dict[str, dict[str, float]] = defaultdict(lambda: {"engines": 0, "busy_s": 0.0})
     decoded = 0
     trainer_busy = 0.0
+    judge = {"dedicated_busy_s": 0.0, "serverless_billed_s": 0.0}
     for w in summary["workers"].values():
+        for stats in (w.get("reward_judge") or {}).values():
+            for k in judge:
+                judge[k] += stats.get(k, 0.0)
         emu = (w.get("engine") or {}).get("emulated")
         if emu:
             p = pools[w["pool"]]
@@ -99,6 +103,9 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
         "success": {e: last.get(f"env/{e}/success") for e in envs},
         "bounds_s": bounds, "bound_s": max(bounds.values(), default=0.0),
         "pools": {n: dict(p) for n, p in pools.items()},
+        # a reward model's GPUs: the dedicated pool's busy share, the serverless seconds billed
+        "reward_gpu_busy_fraction": judge["dedicated_busy_s"] / wall,
+        "reward_serverless_billed_s": judge["serverless_billed_s"],
     }
     stream_file = run_dir / "task_stream.json"
     if stream_file.exists():
