@@ -39,7 +39,7 @@ from flows.trainer_handle import TrainerHandle
 from resources.catalog import HardwareProfile
 from resources.cluster import ClusterHandle
 from resources.device_model import DeviceModel
-from resources.emulated import sequence_lengths
+from resources.emulated import device_of, sequence_lengths
 from resources.placement import PlacementRecorder, placement_snapshot, task_stream_snapshot
 from resources.pools import Tag
 from resources.worker import RollArcWorkerPlugin, worker_report
@@ -90,8 +90,6 @@ class TrainingRun:
         # monolithic on emulated devices: training time-shares the engines' GPUs
         self.colocated_device = None
         if cfg.placement == "monolithic" and cfg.engine.emulated:
-            from resources.emulated import device_of
-
             profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
             self.colocated_device = device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
                                               cfg.engine.device)
