@@ -179,12 +179,13 @@ def dedicated_reward(cfg: TrainConfig) -> list[str] | None:
 
 
 def run_system(workload: Path, system: System, steps: int, extra: list[str],
-               run_dir: Path) -> dict:
+               run_dir: Path, resume: bool = False) -> dict:
     cfg = load_config(workload, [*extra, *system.overrides, f"trainer.max_steps={steps}",
                                  "metrics.progress=false", "metrics.task_stream=true",
                                  "cluster.dashboard_port=0", "eval.every_steps=0"])
     t0 = time.perf_counter()
-    run_training(cfg, run_dir, dashboard=lambda line: None)
+    if not (resume and (run_dir / "summary.json").exists()):
+        run_training(cfg, run_dir, dashboard=lambda line: None)
     figures = run_figures(run_dir, cfg.engine.time_scale)
     figures["hardware"] = hardware_of(cfg)
     figures["bench_wall_s"] = time.perf_counter() - t0
@@ -201,9 +202,13 @@ def merge_repeats(runs: list[dict]) -> dict:
 
 
 def principle_rows(results: dict[str, dict], chosen: list[System]) -> list[list]:
+    """One row per per-principle system against its baseline (a system that is itself some
+    other's baseline shows as that one's baseline only)."""
+    baselines = {s.baseline for s in chosen}
     rows = []
     for s in chosen:
-        if s.section == "end_to_end" or s.name not in results or s.baseline not in results:
+        if (s.section == "end_to_end" or s.name in baselines or s.name not in results
+                or s.baseline not in results):
             continue
         r, b = results[s.name], results[s.baseline]
         note = ""
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=None, metavar="SYSTEM",
                    help="run only these systems (rollarc always runs: ratios refer to it)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench/...)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the runs already finished in --out (a bench cut short)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every system")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -257,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[{rep + 1}/{args.repeats}] {s.name} ({args.steps} steps) ...")
             run_dir = out / "runs" / f"{s.name.replace(' ', '_').replace(',', '')}-{rep}"
             per_system[s.name].append(run_system(workload, s, args.steps, args.overrides,
-                                                 run_dir))
+                                                 run_dir, args.resume))
     results = {name: merge_repeats(runs) for name, runs in per_system.items()}
     ts = base.engine.time_scale
     e2e = {s.name: results[s.name] for s in chosen if s.section == "end_to_end"}
@@ -269,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         report += ["", "## Per principle", "", markdown_table(
             ["principle", "system", "GPUs ($/h)", "s/step", "baseline", "baseline s/step",
              "x (system / baseline)", "paper", "notes"], rows), "", "### All systems", "",
-            system_table({k: v for k, v in results.items() if k not in e2e}, "rollarc")
+            system_table({"rollarc": results["rollarc"]}
+                         | {k: v for k, v in results.items() if k not in e2e}, "rollarc")
             if len(results) > len(e2e) else ""]
     bench_wall = time.perf_counter() - started
     report += ["", f"bench wall time: {bench_wall:.0f} s"]

@@ -37,9 +37,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile
 from resources.device_model import DeviceModel, model_spec
@@ -49,13 +49,26 @@ from tasks.records import DecodeOutput, SamplingParams, TrainBatch, TrainStats, 
 logger = logging.getLogger(__name__)
 
 
+def _check_model(name: str) -> str:
+    try:
+        model_spec(name)
+    except (KeyError, OSError, ValueError) as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    return name
+
+
+# a device-model preset or a Hugging Face config.json, checked when the config loads
+ModelName = Annotated[str, AfterValidator(_check_model)]
+
+
 class DeviceEmulation(BaseModel):
     """How the emulated engines and trainer behave (``engine.device``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(default="dense-8b", description="Production model: a device-model preset "
-                       "(dense-8b, dense-32b, moe-30b-a3b) or a Hugging Face config.json")
+    model: ModelName = Field(default="dense-8b", description="Production model: a device-model "
+                             "preset (dense-8b, dense-32b, moe-30b-a3b) or a Hugging Face "
+                             "config.json")
     mfu: float = Field(default=0.5, gt=0, le=1, description="Fraction of peak FLOP/s reached")
     mbu: float = Field(default=0.8, gt=0, le=1, description="Fraction of peak bandwidth reached")
     memory_utilization: float = Field(default=0.9, gt=0, le=1,
@@ -66,18 +79,6 @@ class DeviceEmulation(BaseModel):
     max_seqs: int = Field(default=256, ge=1, description="Sequences one engine runs at once at "
                           "most (vLLM's max_num_seqs)")
 
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        return _check_model(v)
-
-
-def _check_model(name: str) -> str:
-    try:
-        model_spec(name)
-    except (KeyError, OSError, ValueError) as exc:
-        raise ValueError(str(exc).strip("'\"")) from None
-    return name
 
 
 @dataclass
@@ -475,16 +476,11 @@ class JudgeEmulation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(default="dense-8b", description="The reward model (device-model preset "
-                       "or Hugging Face config.json)")
+    model: ModelName = Field(default="dense-8b", description="The reward model (device-model "
+                             "preset or Hugging Face config.json)")
     profile: str = Field(default="H800", description="GPUs the reward model runs on")
     gpus: int = Field(default=1, ge=1, description="Devices per engine (serverless: per "
                       "instance; local: the dedicated pool)")
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        return _check_model(v)
 
 
 class JudgedRewardClient:

@@ -23,6 +23,17 @@ def _engine(profile, model="dense-8b", time_scale=1.0, **kw):
     return EmulatedEngine(DeviceModel(model_spec(model), profile), time_scale, **kw)
 
 
+def _concurrently(target, args_list) -> float:
+    """Run ``target(*args)`` for each args at once, in threads; the wall seconds it took."""
+    threads = [threading.Thread(target=target, args=args) for args in args_list]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def _timed(fn, *args) -> float:
     t0 = time.perf_counter()
     fn(*args)
@@ -53,14 +64,7 @@ def test_h800_wins_prefill_and_h20_decode_per_dollar_on_emulated_engines():
         engine = _engine(profile, time_scale=0.02)
         try:
             pre = _timed(engine.prefill, 8192, 0)
-            threads = [threading.Thread(target=engine.decode, args=(4096, 200))
-                       for _ in range(32)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            dec = time.perf_counter() - t0
+            dec = _concurrently(engine.decode, [(4096, 200)] * 32)
         finally:
             engine.close()
         cost[profile.name] = (pre * profile.price_per_hour, dec * profile.price_per_hour)
@@ -74,11 +78,7 @@ def test_kv_memory_caps_the_running_batch():
     engine = _engine(H20, model="dense-32b", time_scale=0.01)
     try:
         assert 4 * 19_010 <= engine.capacity < 5 * 19_010
-        threads = [threading.Thread(target=engine.decode, args=(19_000, 10)) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _concurrently(engine.decode, [(19_000, 10)] * 8)
         assert engine.stats.max_running == 4
         assert engine.stats.max_waiting >= 4
         assert engine.stats.decode_tokens == 80
@@ -103,13 +103,7 @@ def test_time_scale_scales_time_and_nothing_else():
     for scale in (0.2, 0.05):
         engine = _engine(H20, time_scale=scale)
         try:
-            threads = [threading.Thread(target=_turn, args=(engine, i)) for i in range(8)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
+            wall = _concurrently(_turn, [(engine, i) for i in range(8)])
             s = engine.stats
             results[scale] = (wall, s.prefill_tokens, s.decode_tokens)
         finally:
@@ -170,13 +164,7 @@ def test_a_reward_model_queues_on_a_dedicated_pool_and_scales_out_serverless():
     for dedicated in (True, False):
         client = JudgedRewardClient(LocalRewardClient(), device, 0.2, dedicated)
         try:
-            threads = [threading.Thread(target=client.score, args=([r],)) for r in requests]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            walls[dedicated] = time.perf_counter() - t0
+            walls[dedicated] = _concurrently(client.score, [([r],) for r in requests])
             stats = client.stats()
         finally:
             client.close()

@@ -195,20 +195,22 @@ def test_bench_compares_systems_on_emulated_devices(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "flows" / "bench.py"), "--workload",
                            "long_tail", "--steps", "1", "--only", "sync-monolithic",
+                           "spare groups 0",
                            "--out", str(out), "engine.time_scale=0.005",
                            "trainer.groups_per_step=2"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
     results = report["results"]
-    assert set(results) == {"rollarc", "sync-monolithic"}
+    assert set(results) == {"rollarc", "sync-monolithic", "spare groups 0"}
     for r in results.values():
         assert r["steps"] == 1 and r["step_s_median"] > 0 and r["trajectories_per_s"] > 0
         assert r["bound_s"] > 0 and 0 < r["overhead"]["emulated_fraction"] < 1
         assert r["busy_fraction"] and r["generated_tokens_per_s"] > 0
     assert "8 H800" in results["sync-monolithic"]["hardware"]
     assert "H20" in results["rollarc"]["hardware"]
-    assert "x vs rollarc" in (out / "bench.md").read_text()
+    report = (out / "bench.md").read_text()
+    assert "x vs rollarc" in report and "| redundancy | spare groups 0 |" in report
     for png in ("timeline.png", "timeline-rollarc.png", "timeline-sync-monolithic.png"):
         assert (out / png).stat().st_size > 10_000
 
