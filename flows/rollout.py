@@ -238,8 +238,7 @@ class RolloutDriver:
         if results is None:
             exc = fut.exception() if fut.status == "error" else RuntimeError(
                 f"{fut.status}: result lost")
-            results = [MemberError(f"{type(exc).__name__}: {str(exc)[:300]}")] * len(
-                cohort.traj_ids)
+            results = [MemberError.of(exc)] * len(cohort.traj_ids)
         out = TurnOutcome()
         for tid, res in zip(cohort.traj_ids, results, strict=True):
             rec = self.live[tid]

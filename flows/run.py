@@ -36,7 +36,7 @@ from flows.orchestration import (
 from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver
 from flows.trainer_handle import TrainerHandle
-from resources.catalog import HardwareProfile
+from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
 from resources.device_model import DeviceModel
 from resources.emulated import device_of, sequence_lengths
@@ -66,6 +66,9 @@ class TrainingRun:
         self.stages = stages or Stages()
         # the reward config the workers' clients are built from, endpoint resolved
         self.reward_cfg = cfg.reward.client_settings(reward_endpoint)
+        if cfg.reward.judge is not None:  # its profile resolved here, config overrides included
+            self.reward_cfg["judge_hardware"] = get_profile(
+                cfg.reward.judge.profile, cfg.affinity.profiles).model_dump()
         self.client = cluster.client
         self.run_id = run_dir.name
         self.version = 0

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile, get_profile
-from resources.device_model import DeviceModel, ModelSpec, model_spec
+from resources.device_model import DeviceModel, ModelName, ModelSpec, model_spec
 from resources.pools import PoolSpec, Role, Stage, Tag
 
 
@@ -30,7 +30,7 @@ class Workload(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, description="A device-model preset (dense-8b, "
+    model: ModelName | None = Field(default=None, description="A device-model preset (dense-8b, "
                               "dense-32b, moe-30b-a3b) or a Hugging Face config.json; null: a "
                               "dense model of `params` with `kv_bytes_per_token`")
     gpus_per_engine: int = Field(default=1, ge=1, description="Devices one engine spans")
@@ -43,16 +43,6 @@ class Workload(BaseModel):
     context_tokens: int = Field(default=4096, ge=1, description="Context length during decode")
     mfu: float = Field(default=0.5, gt=0, le=1, description="Fraction of peak FLOP/s reached")
     mbu: float = Field(default=0.8, gt=0, le=1, description="Fraction of peak bandwidth reached")
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                model_spec(v)
-            except (KeyError, OSError, ValueError) as exc:
-                raise ValueError(str(exc).strip("'\"")) from None
-        return v
 
 
 def workload_model(w: Workload) -> ModelSpec:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile
 
@@ -112,6 +112,19 @@ PRESETS: dict[str, ModelSpec] = {
         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
         "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
 }
+
+
+def _known_model(name: str) -> str:
+    try:
+        model_spec(name)
+    except (KeyError, OSError, ValueError) as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    return name
+
+
+# a config field naming a production model: a preset or a Hugging Face config.json, checked
+# when the config loads
+ModelName = Annotated[str, AfterValidator(_known_model)]
 
 
 def model_spec(name_or_path: str) -> ModelSpec:

@@ -37,28 +37,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile
-from resources.device_model import DeviceModel, model_spec
+from resources.device_model import DeviceModel, ModelName, model_spec
 from tasks.policy import PolicySpec
 from tasks.records import DecodeOutput, SamplingParams, TrainBatch, TrainStats, TurnShape
 
 logger = logging.getLogger(__name__)
-
-
-def _check_model(name: str) -> str:
-    try:
-        model_spec(name)
-    except (KeyError, OSError, ValueError) as exc:
-        raise ValueError(str(exc).strip("'\"")) from None
-    return name
-
-
-# a device-model preset or a Hugging Face config.json, checked when the config loads
-ModelName = Annotated[str, AfterValidator(_check_model)]
 
 
 class DeviceEmulation(BaseModel):

@@ -150,11 +150,12 @@ class RollArcWorkerPlugin(WorkerPlugin):
                                              self.reward_functions)
                 judge = self.reward_cfg.get("judge")
                 if judge:  # a model-based reward's GPU time, emulated
-                    from resources.catalog import get_profile
                     from resources.emulated import JudgedRewardClient, JudgeEmulation
 
                     j = JudgeEmulation(**judge)
-                    device = DeviceModel(model_spec(j.model), get_profile(j.profile), j.gpus)
+                    device = DeviceModel(model_spec(j.model),
+                                         HardwareProfile(**self.reward_cfg["judge_hardware"]),
+                                         j.gpus)
                     client = JudgedRewardClient(client, device, self.time_scale,
                                                 dedicated=self.reward_cfg["backend"] == "local")
                 self._reward_clients[lambda_function] = client

@@ -28,6 +28,10 @@ class MemberError:
 
     error: str
 
+    @classmethod
+    def of(cls, exc: BaseException) -> MemberError:
+        return cls(f"{type(exc).__name__}: {str(exc)[:300]}")
+
 
 def pick(ref: Any) -> Any:
     """A member's value: ``(list, index)`` from an earlier cohort, or the value itself."""
@@ -41,7 +45,7 @@ def _guard(fn: Callable[[int], Any], i: int) -> Any:
     try:
         return fn(i)
     except Exception as exc:  # the member's own failure, reported in its slot
-        return MemberError(f"{type(exc).__name__}: {str(exc)[:300]}")
+        return MemberError.of(exc)
 
 
 def each(fn: Callable[[int], Any], n: int) -> list[Any]:
