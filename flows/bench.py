@@ -41,9 +41,9 @@ from statistics import median
 import yaml
 from rich.console import Console
 
+from flows.api import run_training
 from flows.bench_report import markdown_table, run_figures, save_timelines, system_table
 from flows.config import TrainConfig, load_config
-from flows.launch import run_training
 from resources.catalog import get_profile
 from resources.pools import Role
 
@@ -182,6 +182,8 @@ def run_system(workload: Path, system: System, steps: int, extra: list[str],
                run_dir: Path, resume: bool = False) -> dict:
     cfg = load_config(workload, [*extra, *system.overrides, f"trainer.max_steps={steps}",
                                  "metrics.progress=false", "metrics.task_stream=true",
+                                 # the bench draws its own timelines from the task stream
+                                 "metrics.performance_report=false",
                                  "cluster.dashboard_port=0", "eval.every_steps=0"])
     t0 = time.perf_counter()
     if not (resume and (run_dir / "summary.json").exists()):

@@ -19,6 +19,7 @@ An entry of ``env_tasks`` (an environment, its weight in the mix, its reward) is
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -310,8 +311,39 @@ class EvalConfig(_Strict):
                           "and evaluation")
 
 
+class SinkKind(StrEnum):
+    JSONL = "jsonl"  # metrics.jsonl in the run directory
+    TENSORBOARD = "tensorboard"  # event files under <run_dir>/tensorboard (extra: tensorboard)
+    WANDB = "wandb"  # Weights & Biases; offline mode needs no network (extra: wandb)
+    NULL = "null"  # nowhere
+
+
+def _sink_list(v: Any) -> Any:
+    return [v] if isinstance(v, str) else v
+
+
+class WandbConfig(_Strict):
+    project: str = Field(default="rollarc", description="W&B project")
+    entity: str | None = Field(default=None, description="W&B entity (team or user)")
+    mode: Literal["offline", "online"] = Field(
+        default="offline", description="offline: files under <run_dir>/wandb, to `wandb sync` "
+                                       "later; online: needs WANDB_API_KEY and a network")
+
+
 class MetricsConfig(_Strict):
-    sink: Literal["jsonl", "null"] = Field(default="jsonl", description="Where metrics go")
+    sinks: Annotated[list[SinkKind], BeforeValidator(_sink_list)] = Field(
+        default_factory=lambda: [SinkKind.JSONL],
+        description="Where train and evaluation rows go, several at once: jsonl | tensorboard "
+                    "| wandb | null")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    dashboard: bool = Field(default=True, description="The RollArc page, rollarc_ series on "
+                            "/metrics and events on the scheduler's dashboard")
+    curves: bool = Field(default=True, description="Draw curves.png in the run directory at "
+                         "the end")
+    performance_report: bool = Field(default=True, description="Save Dask's performance "
+                                     "report (dask-report.html) of the run")
+    dump_trajectories: int = Field(default=0, ge=0, description="Sampled trajectories per "
+                                   "train step written as text to trajectories.txt")
     progress: bool = Field(default=True, description="Live progress line")
     task_stream: bool = Field(default=False, description="Save every task's worker, stage, "
                               "start and stop to task_stream.json (benchmark timelines)")

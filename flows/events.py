@@ -41,11 +41,17 @@ class EventLoop:
         self.client = client
         self._ac = as_completed(raise_errors=False)
         self._kinds: dict[str, FutureKind] = {}
+        self._pending: dict[str, Future] = {}
 
     def track(self, fut: Future, kind: FutureKind) -> Future:
         self._kinds[fut.key] = kind
+        self._pending[fut.key] = fut
         self._ac.add(fut)
         return fut
+
+    def pending(self) -> list[Future]:
+        """The futures tracked and not yet handed out by :meth:`next_batch`."""
+        return list(self._pending.values())
 
     def empty(self) -> bool:
         return self._ac.is_empty()
@@ -54,6 +60,8 @@ class EventLoop:
         """Block until at least one future finished; every finished one, with its result."""
         batch = self._ac.next_batch(block=True)
         results = self._gather(batch)
+        for f in batch:
+            self._pending.pop(f.key, None)
         return [Event(self._kinds.pop(f.key), f, results.get(f.key)) for f in batch]
 
     def _gather(self, batch: list[Future]) -> dict:

@@ -1,31 +1,14 @@
-"""Starting and stopping what a run needs, and the Python API that runs one.
-
-:func:`run_training` is what ``flows/train.py`` calls and what a notebook calls::
-
-    from flows.config import load_config, validate
-    from flows.launch import run_training
-    from tasks.stages import Stages
-
-    cfg = load_config(overrides=["trainer.max_steps=10", "reward.backend=local"])
-    cfg.env_tasks[0].reward_fn = my_reward          # a function defined in the notebook
-    summary = run_training(validate(cfg), "runs/nb", stages=Stages(env_step=my_env_step))
-"""
+"""Starting and stopping what a run needs: the cluster, the reward service, the ordered
+shutdown. :mod:`flows.api` runs training on them."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
-from pathlib import Path
 
-from flows.config import ConfigError, TrainConfig, resolved_yaml, validate
-from flows.lifecycle import TrajectoryLedger, Transition
-from flows.metrics import ProgressLine, make_sink
-from flows.run import TrainingRun
+from flows.config import ConfigError, TrainConfig
 from resources.affinity import pool_tags, route
 from resources.cluster import ClusterHandle, connect, start_local_cluster
 from resources.lambda_emulator import LambdaEmulator
-from tasks.stages import Stages
 
 logger = logging.getLogger(__name__)
 
@@ -89,42 +72,3 @@ def close_quietly(cluster: ClusterHandle) -> None:
     for name in ("distributed", "tornado"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     cluster.close()
-
-
-def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None = None,
-                 stages: Stages | None = None, progress: bool | None = None,
-                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
-                 dashboard: Callable[[str], object] = print) -> dict:
-    """Run one training job end to end and return its summary (also written to
-    ``<run_dir>/summary.json``). ``stages`` replaces stage functions; ``on_transition`` sees
-    every change of a trajectory's state; ``dashboard`` is called with the dashboard line once
-    the cluster is up. Raises ConfigError or RewardServiceError before any cluster starts."""
-    cfg = validate(cfg)
-    emulator = start_reward_service(cfg)
-    sink = cluster = None
-    try:
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = resolved_yaml(cfg)
-        (run_dir / "config.yaml").write_text(resolved)
-        logger.info("resolved config (saved to %s):\n%s", run_dir / "config.yaml", resolved)
-        sink = make_sink(cfg.metrics.sink, run_dir)
-        cluster = make_cluster(cfg, scheduler)
-        dashboard(f"Dask dashboard: {cluster.dashboard_link}")
-        run = TrainingRun(cfg, cluster, run_dir, sink, emulator.url if emulator else None,
-                          stages=stages, on_transition=on_transition)
-        run.setup()
-        show = cfg.metrics.progress if progress is None else progress
-        with ProgressLine(cfg.trainer.max_steps, show) as line:
-            run.train(line)
-        run.save()
-        summary = run.summary()
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        return summary
-    finally:
-        if sink is not None:
-            sink.close()
-        if cluster is not None:
-            close_quietly(cluster)
-        if emulator is not None:
-            emulator.stop()

@@ -38,7 +38,8 @@ class DropReason(StrEnum):
 
     STALE = "stale"  # staler than rollout.max_staleness when its batch was cut
     GROUP_INCOMPLETE = "group_incomplete"  # its group kept fewer than two members
-    RUN_ENDED = "run_ended"  # the run reached trainer.max_steps first
+    RUN_ENDED = "run_ended"  # the run ended first (trainer.max_steps reached, or closed)
+    INTERRUPTED = "interrupted"  # the run was interrupted (Ctrl-C, a notebook's interrupt)
     ROLLOUT_ERROR = "rollout_error"  # a turn's task failed on every attempt (worker lost, ...)
     REWARD_TASK_ERROR = "reward_task_error"  # the score task itself raised
     REWARD_TASK_LOST = "reward_task_lost"  # the score task's result was lost with its worker

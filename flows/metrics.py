@@ -108,8 +108,122 @@ class NullSink:
         pass
 
 
-def make_sink(kind: str, run_dir: Path) -> MetricSink:
-    return JsonlSink(run_dir / "metrics.jsonl") if kind == "jsonl" else NullSink()
+def _step_of(metrics: dict) -> tuple[str, int]:
+    """(``train`` | ``eval``, step) of a row."""
+    if "eval/step" in metrics:
+        return "eval", int(metrics["eval/step"])
+    return "train", int(metrics.get("train/step", 0))
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class TensorBoardSink:
+    """Scalars under ``<run_dir>/tensorboard``, one point per train step (evaluation rows at
+    the step they evaluated), wall time from the run's clock."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict) -> None:
+        _, step = _step_of(metrics)
+        for key, value in _scalars(metrics).items():
+            self._w.add_scalar(key, value, global_step=step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class WandbSink:
+    """Weights & Biases: train rows against ``train/step``, evaluation rows against
+    ``eval/step``. ``mode=offline`` writes under ``<run_dir>/wandb`` without a network."""
+
+    def __init__(self, run_dir: Path, project: str, entity: str | None, mode: str,
+                 config: dict | None = None):
+        import wandb
+
+        self._run = wandb.init(project=project, entity=entity, mode=mode, dir=str(run_dir),
+                               name=run_dir.name, config=config or {}, reinit="finish_previous")
+        self._run.define_metric("train/step")
+        self._run.define_metric("eval/step")
+        self._run.define_metric("eval/*", step_metric="eval/step")
+        self._run.define_metric("*", step_metric="train/step")
+
+    def log(self, metrics: dict) -> None:
+        self._run.log(_scalars(metrics))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MultiSink:
+    """Every row to every sink."""
+
+    def __init__(self, sinks: list[MetricSink]):
+        self.sinks = list(sinks)
+
+    def add(self, sink: MetricSink) -> None:
+        self.sinks.append(sink)
+
+    def log(self, metrics: dict) -> None:
+        for s in self.sinks:
+            s.log(metrics)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+class RowsSink:
+    """Keeps the rows in memory (the Python API's DataFrames, the run's curves)."""
+
+    def __init__(self) -> None:
+        self.train: list[dict] = []
+        self.eval: list[dict] = []
+
+    def log(self, metrics: dict) -> None:
+        (self.eval if "eval/step" in metrics else self.train).append(dict(metrics))
+
+    def close(self) -> None:
+        pass
+
+
+# the package each optional sink needs, which is also the name of the extra that installs it
+SINK_PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_sinks(metrics_cfg) -> None:
+    """A sink whose package is missing is a config error naming the extra that installs it
+    (raised before any cluster starts)."""
+    from flows.config import ConfigError
+
+    for kind in metrics_cfg.sinks:
+        package = SINK_PACKAGE.get(kind.value)
+        if package is None:
+            continue
+        try:
+            __import__(package)
+        except ImportError:
+            raise ConfigError(f"metrics.sinks: {kind.value} needs the {package} package: "
+                              f"pip install 'rollarc[{package}]'") from None
+
+
+def make_sinks(metrics_cfg, run_dir: Path, config: dict | None = None) -> MultiSink:
+    """The sinks of ``metrics.sinks``, each at most once; ``config`` goes to W&B."""
+    from flows.config import SinkKind
+
+    check_sinks(metrics_cfg)
+    w = metrics_cfg.wandb
+    build = {SinkKind.JSONL: lambda: JsonlSink(run_dir / "metrics.jsonl"),
+             SinkKind.TENSORBOARD: lambda: TensorBoardSink(run_dir / "tensorboard"),
+             SinkKind.WANDB: lambda: WandbSink(run_dir, w.project, w.entity, w.mode, config),
+             SinkKind.NULL: NullSink}
+    return MultiSink([build[kind]() for kind in dict.fromkeys(metrics_cfg.sinks)])
 
 
 class ProgressLine:

@@ -18,6 +18,7 @@ from distributed import Client, Future
 from flows.config import TrainConfig
 from flows.episode import score_requests
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
+from flows.monitor import StageSpans
 from flows.orchestration import Router
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_reward_client
@@ -70,9 +71,11 @@ class ScoreOutcome:
 
 class RewardDispatcher:
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
-                 ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int):
+                 ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int,
+                 spans: StageSpans | None = None):
         self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
         self.run_id = run_id
+        self.spans = spans or StageSpans(run_id)
         self.reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
         self.lambda_function = {t.name: cfg.reward.function_of(t) for t in cfg.env_tasks}
         # one score task carries what the client can send at once; it fans the burst out itself
@@ -98,12 +101,13 @@ class RewardDispatcher:
         for function, trajs in by_function.items():
             for i in range(0, len(trajs), self.score_task_max):
                 batch = trajs[i: i + self.score_task_max]
-                fut = self.client.submit(
-                    with_reward_client, self.stages.score, function,
-                    score_requests(batch, self.reward_fns, self.run_id),
-                    key=f"{Stage.SCORE}-{self.score_tasks}",
-                    workers=[self.router.choose(Tag.SERVERLESS)], pure=False,
-                    resources=demand(Stage.SCORE))
+                with self.spans("reward", function):
+                    fut = self.client.submit(
+                        with_reward_client, self.stages.score, function,
+                        score_requests(batch, self.reward_fns, self.run_id),
+                        key=f"{Stage.SCORE}-{self.score_tasks}",
+                        workers=[self.router.choose(Tag.SERVERLESS)], pure=False,
+                        resources=demand(Stage.SCORE))
                 self.score_tasks += 1
                 self._scoring[fut.key] = batch
                 for t in batch:

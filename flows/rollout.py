@@ -30,6 +30,7 @@ from flows.config import EnvTaskConfig, TrainConfig
 from flows.dispatch import ResponseLengths, TurnPlan, plan_turn
 from flows.episode import RolloutRecord, sampling_params, turn_ends
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
+from flows.monitor import StageSpans
 from flows.orchestration import Router, decode_seed
 from flows.workload import turn_shape
 from resources.device_model import DeviceModel
@@ -74,12 +75,14 @@ class RolloutDriver:
 
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
-                 devices: dict[str, DeviceModel] | None = None):
+                 devices: dict[str, DeviceModel] | None = None,
+                 spans: StageSpans | None = None):
         self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
         # rollout.dispatch=length_aware: each inference worker's device model (None: split)
         self.devices = devices
         self.lengths = ResponseLengths()
         self.stages, self.run_id = stages, run_id
+        self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
         # consecutive failed turns, retries included, before the run stops with the last error
         self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, cfg.batch_trajectories())
@@ -116,12 +119,13 @@ class RolloutDriver:
         self._stopping = True
 
     # -- submission -------------------------------------------------------------------------
-    def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str,
+    def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str, env_task: str,
                 tag: Tag | None = None, **kwargs) -> Future:
         self.stage_submitted[stage.value] = self.stage_submitted.get(stage.value, 0) + 1
-        return self.client.submit(
-            adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
-            resources=demand(stage, tag), pure=False, **kwargs)
+        with self.spans(env_task, stage.value):
+            return self.client.submit(
+                adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
+                resources=demand(stage, tag), pure=False, **kwargs)
 
     def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
               eval_round: int | None = None) -> None:
@@ -156,8 +160,9 @@ class RolloutDriver:
             rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
             for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
                 self.router.started(w)
-            key = (rec.next_obs is None, rec.env_worker, plan.prefill_worker, plan.prefill_tag,
-                   plan.decode_worker, plan.decode_tag)
+            # one env task per cohort: its tasks' span names it
+            key = (rec.next_obs is None, rec.env_task.name, rec.env_worker, plan.prefill_worker,
+                   plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         size = self.cfg.rollout.cohort_max
         return [self._submit_cohort(key, members[i:i + size])
@@ -166,7 +171,7 @@ class RolloutDriver:
     def _submit_cohort(self, key: tuple, members: list[tuple[RolloutRecord, TurnShape | None]]
                        ) -> Future:
         """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members."""
-        fresh, env_w, pre_w, pre_tag, dec_w, dec_tag = key
+        fresh, env_task, env_w, pre_w, pre_tag, dec_w, dec_tag = key
         recs = [rec for rec, _ in members]
         shapes = [shape for _, shape in members]
         if len(recs) == 1:
@@ -181,22 +186,23 @@ class RolloutDriver:
                 Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
                 [r.env_task.env for r in recs], [r.seed for r in recs],
                 [r.handle.instance_id for r in recs], self.cfg.policy.system_prompt,
-                worker=env_w, key=f"env_reset-{suffix}")
+                worker=env_w, key=f"env_reset-{suffix}", env_task=env_task)
             observations = [(reset, i) for i in range(len(recs))]
         else:
             observations = [r.next_obs for r in recs]
         pasts = [r.last_decode for r in recs]
         pre = self._submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts,
                            observations, shapes, worker=pre_w, tag=pre_tag,
-                           key=f"prefill-{suffix}")
+                           key=f"prefill-{suffix}", env_task=env_task)
         params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
                   for r in recs]
         seeds = [decode_seed(self.cfg.seed, r.traj_id, r.turn, r.attempt) for r in recs]
         dec = self._submit(Stage.DECODE, with_backend, decode_many, st.decode, pre, pasts,
                            params, seeds, shapes, worker=dec_w, tag=dec_tag,
-                           key=f"decode-{suffix}")
+                           key=f"decode-{suffix}", env_task=env_task)
         step = self._submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
-                            observations, dec, worker=env_w, key=f"env_step-{suffix}")
+                            observations, dec, worker=env_w, key=f"env_step-{suffix}",
+                            env_task=env_task)
         for i, r in enumerate(recs):
             r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
         self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time())
@@ -322,10 +328,18 @@ class RolloutDriver:
         if rec.handle is None:
             return None
         fut = self._submit(Stage.ENV_CLOSE, with_registry, self.stages.env_close, rec.handle,
-                           worker=rec.handle.worker,
+                           worker=rec.handle.worker, env_task=rec.env_task.name,
                            key=f"env_close-{rec.traj_id}-{rec.turn}-{rec.attempt}")
         self._closing.append(fut)  # held until done: a released future may never run
         return fut
+
+    def close_all(self) -> None:
+        """An aborted run: close every live trajectory's environment instance; nothing more is
+        submitted."""
+        self._ready, self._held = [], []
+        for rec in list(self.live.values()):
+            self.close_env(rec)
+            rec.handle = None
 
     def prune_closing(self) -> None:
         """Forget closes that ran; those aimed at a lost worker must not stall the run."""

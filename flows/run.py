@@ -25,6 +25,7 @@ from flows.evaluation import Evaluator
 from flows.events import Event, EventLoop, FutureKind
 from flows.lifecycle import DropReason, TrajectoryLedger, TrajState, Transition
 from flows.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
+from flows.monitor import StageSpans
 from flows.orchestration import (
     AdmissionState,
     GroupCollector,
@@ -48,14 +49,21 @@ from tasks.stages import Stages
 
 logger = logging.getLogger(__name__)
 
+LIVE_EVERY_S = 0.5
+IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
+                    TrajState.SCORING, TrajState.IN_GROUP)
+
 
 class TrainingRun:
     """Wires the cluster, the rollout driver, reward dispatch, the collector and the trainer."""
 
     def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink,
                  reward_endpoint: str | None = None, stages: Stages | None = None,
-                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None):
+                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
+                 publish_live: Callable[[dict], None] | None = None):
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
+        # the live figures of the dashboard page, sent at most every LIVE_EVERY_S
+        self.publish_live = publish_live
         if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
             raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
                              "reward_endpoint (flows.launch.start_reward_service starts it)")
@@ -80,12 +88,13 @@ class TrainingRun:
         router = Router({str(t): cluster.workers_with(t) for t in Tag})
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
+        self.spans = StageSpans(self.run_id)  # Fine Performance Metrics by env task and stage
         self.driver = RolloutDriver(self.client, cfg, router, self.ledger, self.stages,
-                                    self.run_id, devices=self._worker_devices())
+                                    self.run_id, devices=self._worker_devices(), spans=self.spans)
         self.rewards = RewardDispatcher(self.client, cfg, router, self.ledger, self.stages,
-                                        self.run_id, self.batch_trajectories)
+                                        self.run_id, self.batch_trajectories, spans=self.spans)
         self.collector = GroupCollector()
-        self.trainer = TrainerHandle(self.client, cluster, self.stages)
+        self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans)
         self.evaluator = Evaluator(cfg.env_tasks, cfg.eval.every_steps, cfg.eval.episodes,
                                    cfg.trainer.max_steps)
         self.trainer_busy = False
@@ -100,7 +109,14 @@ class TrainingRun:
         self.train_windows: list[tuple[float, float]] = []
         self.batch_info: dict = {}
         self.last_metrics: dict = {}
-        self.t0 = time.perf_counter()
+        self.staleness_hist: Counter[int] = Counter()  # of trained trajectories
+        self.worker_versions: dict[str, int] = {}  # the version each inference worker loaded
+        self._loading: dict[str, str] = {}  # load future key -> worker
+        # called with (train step, trajectories) for each batch cut
+        self.batch_callbacks: list[Callable[[int, list[Trajectory]], None]] = []
+        self.t0: float | None = None
+        self._paused_at: float | None = None
+        self._live_sent = 0.0
 
     def _worker_devices(self) -> dict[str, DeviceModel] | None:
         """rollout.dispatch=length_aware: each inference worker's engine as the device model
@@ -139,18 +155,35 @@ class TrainingRun:
             # new group seeds after a resume, not a replay of the first run's
             self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
-        for f in self.trainer.sync_weights(self.version):
-            f.result()
+        for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
+                        strict=True):
+            self.worker_versions[w] = f.result()
 
-    def train(self, progress: ProgressLine) -> None:
+    @property
+    def elapsed_s(self) -> float:
+        """Training wall time: from the first :meth:`train` call, pauses between calls not
+        counted."""
+        return 0.0 if self.t0 is None else time.perf_counter() - self.t0
+
+    def train(self, progress: ProgressLine, until: int | None = None) -> bool:
         """The event loop: until ``trainer.max_steps`` steps are trained and nothing is left in
-        flight."""
-        self.t0 = time.perf_counter()
+        flight (True), or until policy version ``until`` is reached (False: the work in flight
+        carries on, and the next call takes it up)."""
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        elif self._paused_at is not None:  # the pause between calls is not training time
+            self.t0 += now - self._paused_at
+        self._paused_at = None
         handlers = {FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
                     FutureKind.LOAD_WEIGHTS: self._on_load,
                     FutureKind.TIME_SHARE: self._on_time_share}
         while True:
+            if until is not None and self.version >= until and not self.driver.stopping:
+                self._send_live(force=True)
+                self._paused_at = time.perf_counter()
+                return False
             for fut in self.rewards.flush():
                 self.events.track(fut, FutureKind.SCORE)
             self._maybe_train()
@@ -167,10 +200,47 @@ class TrainingRun:
             for ev in self.events.next_batch():
                 handlers[ev.kind](ev)
             self.driver.prune_closing()
+            self._send_live()
         self.driver.wait_closing()
         # finished-but-untrained trajectories at the end are dropped as run_ended
         for tid in self.ledger.live():
             self.ledger.drop(tid, DropReason.RUN_ENDED)
+        self._send_live(force=True)
+        return True
+
+    def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
+        """Stop at once (an interrupt): cancel the work in flight, close the live environment
+        instances, drop every live trajectory with ``reason``. The cluster stays usable."""
+        self.driver.stop()
+        self.client.cancel(self.events.pending())
+        self.driver.close_all()
+        self.driver.wait_closing(timeout=30)
+        for evaluation in (False, True):
+            for tid in self.ledger.live(evaluation):
+                self.ledger.drop(tid, reason)
+        self._send_live(force=True)
+
+    def live_figures(self) -> dict:
+        """What the dashboard page shows besides the metric rows."""
+        pools: Counter[str] = Counter()
+        for w, n in self.driver.router.load.items():
+            pools[self.cluster.worker_pool.get(w, w)] += max(n, 0)
+        accounts = self.ledger.summary()
+        states = {str(s): self.ledger.count(s) for s in IN_FLIGHT_STATES}
+        states["trained"] = accounts["trained"]
+        return {"states": states, "dropped": accounts["dropped"],
+                "in_flight_per_pool": dict(sorted(pools.items())),
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "worker_versions": {f"{self.cluster.worker_pool.get(w, '?')} {w}": v
+                                    for w, v in sorted(self.worker_versions.items())},
+                "policy_version": self.version}
+
+    def _send_live(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if self.publish_live is None or (not force and now - self._live_sent < LIVE_EVERY_S):
+            return
+        self._live_sent = now
+        self.publish_live(self.live_figures())
 
     def save(self) -> str:
         return self.trainer.save(str(self.run_dir.resolve()), self.version)
@@ -217,6 +287,9 @@ class TrainingRun:
                 self.events.track(f, FutureKind.TIME_SHARE)
         for t in d.trajectories:
             self.ledger.transition(int(t.traj_id), TrajState.TRAINED)
+        self.staleness_hist.update(d.staleness)
+        for callback in self.batch_callbacks:
+            callback(self.version + 1, d.trajectories)  # as train/step will name it
         self.trainer_busy = True
         self.train_submitted_at = time.perf_counter()
         self.batch_info = batch_metrics(d.trajectories, d.staleness, len(d.stale))
@@ -257,15 +330,17 @@ class TrainingRun:
         self.train_windows.append((self.train_submitted_at, time.perf_counter()))
         self.version = stats.policy_version
         metrics = {"train/step": self.version, **stats.log("train"), **self.batch_info,
-                   **perf_metrics(time.perf_counter() - self.t0, self.ledger.summary()),
+                   **perf_metrics(self.elapsed_s, self.ledger.summary()),
                    **self.rewards.metrics()}
         self.sink.log(metrics)
         self.last_metrics = metrics
         progress.update(metrics, [t.name for t in self.cfg.env_tasks])
         if self.version >= self.cfg.trainer.max_steps:
             self.driver.stop()
-        for f in self.trainer.sync_weights(self.version):
+        for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
+                        strict=True):
             self.events.track(f, FutureKind.LOAD_WEIGHTS)
+            self._loading[f.key] = w
             self.loads_pending += 1
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
@@ -273,8 +348,10 @@ class TrainingRun:
 
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1
+        worker = self._loading.pop(ev.future.key)
         if ev.future.status != "finished":
             raise RuntimeError(f"weight load {ev.future.key} failed: {ev.future.exception()}")
+        self.worker_versions[worker] = int(ev.result)
 
     def _on_time_share(self, ev: Event) -> None:
         if ev.future.status != "finished":
@@ -283,7 +360,7 @@ class TrainingRun:
     def _on_eval_episode(self, round_id: int, traj: Trajectory | None) -> None:
         metrics = self.evaluator.on_episode(round_id, traj)
         if metrics is not None:
-            self.sink.log(metrics)
+            self.sink.log(metrics | {"perf/elapsed_s": self.elapsed_s})
 
     # -- report -----------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -296,6 +373,7 @@ class TrainingRun:
         live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
         accounts = self.ledger.summary()
         turns = self.driver.turn_log
+        t0 = self.t0 or 0.0
         if self.cfg.metrics.task_stream:
             stream = self.client.run_on_scheduler(task_stream_snapshot)
             (self.run_dir / "task_stream.json").write_text(json.dumps(
@@ -324,7 +402,7 @@ class TrainingRun:
                       "emulated_wait_s_mean": sum(t[3] for t in turns) / max(len(turns), 1)},
             "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
                         for a, r in reports.items()},
-            "train_windows_s": [(a - self.t0, b - self.t0) for a, b in self.train_windows],
-            "elapsed_s": time.perf_counter() - self.t0,
+            "train_windows_s": [(a - t0, b - t0) for a, b in self.train_windows],
+            "elapsed_s": self.elapsed_s,
         }
 

@@ -14,8 +14,11 @@ Departures from the paper: the embedded default emulates hardware profiles with 
 processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-worker transfers
 (TCP) instead of GPU-to-GPU RDMA.
 
-    # embedded default: local cluster, one worker per pool, dashboard on :8787
+    # embedded default: local cluster, one worker per pool, dashboard on :8787, the RollArc
+    # page on :8787/individual-rollarc, rollarc_* series on :8787/metrics
     python flows/train.py
+    # metrics to TensorBoard too, and 2 sampled trajectories per step as text
+    python flows/train.py "metrics.sinks=[jsonl,tensorboard]" --dump-trajectories 2
     # baselines and short runs
     python flows/train.py mode=sync placement=monolithic trainer.max_steps=20
     # an existing cluster (workers: dask worker tcp://HOST:8786 --resources "GPU_COMPUTE=32")
@@ -34,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from flows.api import run_training
 from flows.config import ConfigError, load_config
-from flows.launch import RewardServiceError, run_training
+from flows.launch import RewardServiceError
 from flows.lifecycle import RunFailing
 
 logger = logging.getLogger("rollarc")
@@ -46,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
     p.add_argument("--scheduler", default=None, help="tcp://HOST:PORT of a running scheduler")
     p.add_argument("--run-dir", default=None, help="Run directory (default: runs/<run-id>)")
+    p.add_argument("--dump-trajectories", type=int, default=None, metavar="N",
+                   help="Write N sampled trajectories per train step to trajectories.txt "
+                        "(metrics.dump_trajectories)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     return p.parse_args(argv)
 
@@ -53,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        dump = ([] if args.dump_trajectories is None
+                else [f"metrics.dump_trajectories={args.dump_trajectories}"])
+        cfg = load_config(args.config, [*args.overrides, *dump])
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -73,11 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailing as exc:
         print(f"run stopped: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: work in flight cancelled; summary in {run_dir}", file=sys.stderr)
+        return 130
     t = summary["trajectories"]
     print(f"done: v{summary['policy_version']} in {summary['elapsed_s']:.0f}s, "
           f"{t['trained']}/{t['started']} trajectories trained, dropped {t['dropped']}; "
           f"run dir {run_dir}", flush=True)
     r = summary["reward"]
+    if cfg.metrics.curves:
+        print(f"curves: {run_dir / 'curves.png'} (python -m flows.plot {run_dir})", flush=True)
+    if cfg.metrics.performance_report:
+        print(f"Dask performance report: {run_dir / 'dask-report.html'}", flush=True)
     print(f"reward: {r['invocations']} invocations, {r['mean_batch']:.1f} trajectories per "
           f"call, {r['throttles']} throttles, {sum(r['lost'].values())} trajectories lost "
           "to scoring", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from distributed import Client, Future
 
+from flows.monitor import StageSpans
 from resources.cluster import ClusterHandle
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_trainer
@@ -18,8 +19,10 @@ from tasks.stages import Stages
 
 
 class TrainerHandle:
-    def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages):
+    def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages,
+                 spans: StageSpans | None = None):
         self.client, self.stages = client, stages
+        self.spans = spans or StageSpans("run")
         self.worker = cluster.workers_with(Tag.TRAINER)[0]
         compute = set(cluster.workers_with(Tag.GPU_COMPUTE))
         # every inference worker, with the tag its weight load takes a slot of
@@ -28,8 +31,9 @@ class TrainerHandle:
             for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
 
     def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
-        return self.client.submit(with_trainer, fn, *args, key=key, workers=[self.worker],
-                                  pure=False, resources=demand(stage))
+        with self.spans("trainer", stage.value):
+            return self.client.submit(with_trainer, fn, *args, key=key, workers=[self.worker],
+                                      pure=False, resources=demand(stage))
 
     def train(self, batch: TrainBatch) -> Future:
         """One train step on a batch cut at ``batch.policy_version``."""
@@ -40,11 +44,12 @@ class TrainerHandle:
         """Publish the trainer's weights and load them on every inference worker."""
         snap = self._on_trainer(Stage.PUBLISH_WEIGHTS, self.stages.publish_weights,
                                 key=f"{Stage.PUBLISH_WEIGHTS}-{version}")
-        return [self.client.submit(with_backend, self.stages.load_weights, snap,
-                                   key=f"{Stage.LOAD_WEIGHTS}-{version}-{i}", workers=[w],
-                                   pure=False, allow_other_workers=False,
-                                   resources=demand(Stage.LOAD_WEIGHTS, tag))
-                for i, (w, tag) in enumerate(self.inference_workers.items())]
+        with self.spans("trainer", Stage.LOAD_WEIGHTS.value):
+            return [self.client.submit(with_backend, self.stages.load_weights, snap,
+                                       key=f"{Stage.LOAD_WEIGHTS}-{version}-{i}", workers=[w],
+                                       pure=False, allow_other_workers=False,
+                                       resources=demand(Stage.LOAD_WEIGHTS, tag))
+                    for i, (w, tag) in enumerate(self.inference_workers.items())]
 
     def time_share(self, version: int, seconds: float) -> list[Future]:
         """Colocated training on emulated devices: every inference engine yields its GPUs to

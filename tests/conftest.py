@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,30 @@ def tiny_cfg_overrides(tmp_path):
     """Overrides that make a flow run short and quiet."""
     return ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
             "cluster.dashboard_port=0"]
+
+
+ARTIFACTS = Path(os.environ.get("ROLLARC_TEST_ARTIFACTS",
+                                Path(__file__).resolve().parent.parent / "test-artifacts"))
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The system Chromium (Debian's ``chromium``), installed with apt-get where absent;
+    skipped, with the reason, only if it cannot be installed."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("chromium is absent and cannot be installed here (no apt-get, or not root)")
+    proc = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True,
+                          text=True, timeout=900, env={**os.environ,
+                                                       "DEBIAN_FRONTEND": "noninteractive"})
+    if proc.returncode != 0:  # a stale package index: refresh it once
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+        proc = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"],
+                              capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    found = shutil.which("chromium")
+    if not found:
+        pytest.skip(f"chromium could not be installed: {proc.stderr.strip()[-300:]}")
+    return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,10 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     run = tmp_path / "run"
     proc = _train(SHORT, run)
     assert "Dask dashboard: http://" in proc.stdout
+    assert "RollArc page:   http://" in proc.stdout and "/individual-rollarc" in proc.stdout
+    # the run's pictures: curves and Dask's performance report
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert (run / "dask-report.html").stat().st_size > 10_000
     # a successful run ends quietly: no traceback, no error logged while the cluster closes
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not [ln for ln in proc.stderr.splitlines() if " ERROR " in ln or "Error:" in ln]
@@ -174,9 +179,26 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
         with Client(address, timeout=60) as c:
             c.wait_for_workers(3, timeout=120)
         # the reward functions run in the local Lambda emulation, reached from the cpu worker
-        _train(["--scheduler", address] + SHORT, tmp_path / "run")
+        proc = _train(["--scheduler", address] + SHORT, tmp_path / "run")
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         _check_accounting(summary)
+        # the run installed the RollArc page and its series on the running scheduler
+        page = next(ln.split()[-1] for ln in proc.stdout.splitlines()
+                    if ln.startswith("RollArc page:"))
+        base = page.rsplit("/", 1)[0]
+        with urllib.request.urlopen(page, timeout=30) as r:
+            assert r.status == 200 and b"bokeh" in r.read().lower()
+        with urllib.request.urlopen(base + "/rollarc/data.json", timeout=30) as r:
+            data = json.loads(r.read())
+        assert data["run_id"] == "run" and data["ended"]
+        last = data["train"][-1]
+        assert last["train/step"] == 2
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        value = re.search(r'^rollarc_reward_mean\{run="run"\} (\S+)$', metrics, re.M)
+        assert value and float(value.group(1)) == pytest.approx(last["reward/mean"])
+        assert re.search(r'rollarc_env_success\{env_task="(frozenlake|guess_number)",run="run"\}',
+                         metrics)
         placement = summary["tasks_per_stage_per_pool"]
         assert set(placement["prefill"]) == {"GPU_COMPUTE"}
         assert set(placement["decode"]) == {"GPU_BANDWIDTH"}

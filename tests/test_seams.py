@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flows.api import run_training
 from flows.config import ConfigError, load_config, validate
-from flows.launch import run_training
 from flows.lifecycle import RunFailing, TrajState
 from flows.metrics import read_metrics
 from flows.reference import run_reference

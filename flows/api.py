@@ -1,0 +1,367 @@
+"""The Python API: a cluster kept across runs, runs trained step by step, metrics as DataFrames.
+
+This is what the notebooks in ``notebooks/`` drive, and what ``flows/train.py`` runs::
+
+    from flows.api import Session, swap
+
+    session = Session.start()                     # the embedded default's local cluster
+    print(session.dashboard_link, session.page_link)
+    run = session.run(overrides=["trainer.max_steps=20"])
+    run.train(5)                                  # five train steps; the work in flight goes on
+    run.train(5)                                  # five more, from where it stopped
+    run.metrics().tail()                          # pandas DataFrame, one row per train step
+    run.plot()                                    # curves.png in the run directory
+    run.close()                                   # checkpoint, summary.json, report
+
+    # swap a reward function, an environment class or a stage, and run again
+    cfg = swap(session.config(["reward.backend=local"]), "frozenlake", reward_fn=my_reward,
+               env=MyEnv)
+    run = session.run(cfg, stages=Stages(env_step=my_env_step))
+    session.close()
+
+    Session.connect("tcp://HOST:8786")            # a running cluster instead
+
+A notebook's interrupt (KeyboardInterrupt) during :meth:`Run.train` cancels the run's work in
+flight, closes its environments and drops its trajectories with the reason ``interrupted``;
+the session's cluster stays usable for the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from distributed import performance_report
+
+from flows.config import TrainConfig, load_config, resolved_yaml, validate
+from flows.dump import TrajectoryDump
+from flows.launch import close_quietly, make_cluster, start_reward_service
+from flows.lifecycle import DropReason, TrajectoryLedger, Transition
+from flows.metrics import ProgressLine, RowsSink, check_sinks, make_sinks
+from flows.monitor import (
+    DashboardSink,
+    RecordKind,
+    announce,
+    install_monitor,
+    page_url,
+    publish,
+    register_page_before_start,
+)
+from flows.plot import draw_curves
+from flows.run import TrainingRun
+from resources.cluster import ClusterHandle, connect
+from resources.lambda_emulator import LambdaEmulator
+from tasks.stages import Stages
+
+logger = logging.getLogger(__name__)
+
+ConfigLike = TrainConfig | str | Path | None
+
+
+def _config(config: ConfigLike, overrides: Sequence[str] = ()) -> TrainConfig:
+    if isinstance(config, TrainConfig):
+        cfg = config
+        if overrides:
+            raise ValueError("overrides apply to a config file; edit a TrainConfig directly")
+        return validate(cfg)
+    return load_config(config, list(overrides))
+
+
+def swap(cfg: TrainConfig, env_task: str, **changes) -> TrainConfig:
+    """A validated copy of ``cfg`` with fields of one env task replaced: ``reward_fn`` (a
+    Python function: ``reward.backend=local``), ``env`` (a TextEnv class, or
+    ``{"_component_": cls, **kwargs}``), ``group_size``, ``weight``, ...::
+
+        cfg = swap(cfg, "frozenlake", reward_fn=shaped_reward, env=MyLake)
+    """
+    names = [t.name for t in cfg.env_tasks]
+    if env_task not in names:
+        raise KeyError(f"no env task {env_task!r} (have {names})")
+    tasks = [t.model_copy(update=changes) if t.name == env_task else t for t in cfg.env_tasks]
+    return validate(cfg.model_copy(update={"env_tasks": tasks}))
+
+
+class Session:
+    """A Dask cluster kept across runs, with the RollArc monitor on its scheduler."""
+
+    def __init__(self, cluster: ClusterHandle, cfg: TrainConfig | None = None,
+                 config_path: str | Path | None = None):
+        self.cluster, self.cfg, self.config_path = cluster, cfg, config_path
+        self.runs: list[Run] = []
+        install_monitor(cluster.client)
+
+    @classmethod
+    def start(cls, config: ConfigLike = None, overrides: Sequence[str] = ()) -> Session:
+        """Start the local cluster of a config's pools (default: ``config/default.yaml``)::
+
+            session = Session.start(overrides=["cluster.dashboard_port=8790"])
+        """
+        cfg = _config(config, overrides)
+        register_page_before_start()
+        return cls(make_cluster(cfg, None), cfg,
+                   None if isinstance(config, TrainConfig) else config)
+
+    @classmethod
+    def connect(cls, scheduler: str, timeout: float = 60) -> Session:
+        """Use a running cluster (workers started with the pools' ``--resources``)::
+
+            session = Session.connect("tcp://10.0.0.5:8786")
+        """
+        return cls(connect(scheduler, timeout))
+
+    @property
+    def client(self):
+        return self.cluster.client
+
+    @property
+    def dashboard_link(self) -> str | None:
+        return self.cluster.dashboard_link
+
+    @property
+    def page_link(self) -> str | None:
+        """The RollArc page of the dashboard."""
+        return page_url(self.cluster.dashboard_link)
+
+    def config(self, overrides: Sequence[str] = (), config: str | Path | None = None
+               ) -> TrainConfig:
+        """The session's config file (or ``config``) with ``overrides``, to edit and run."""
+        return load_config(config or self.config_path, list(overrides))
+
+    def run(self, config: ConfigLike = None, overrides: Sequence[str] = (), *,
+            run_dir: str | Path | None = None, stages: Stages | None = None,
+            progress: bool = False, **kwargs) -> Run:
+        """A new run on this cluster, set up and ready to :meth:`Run.train`::
+
+            run = session.run(overrides=["trainer.max_steps=10"], run_dir="runs/nb-1")
+        """
+        if config is None and self.config_path is not None:
+            config = self.config_path
+        cfg = _config(config, overrides)
+        run_dir = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        run = Run(self, cfg, run_dir, stages=stages, progress=progress, **kwargs)
+        self.runs.append(run)
+        return run
+
+    def close(self) -> None:
+        """Close the runs still open, then the cluster (a local one) and the client."""
+        for run in self.runs:
+            if run.summary is None:
+                try:
+                    run.close()
+                except Exception as exc:  # the cluster goes anyway
+                    logger.warning("run %s not closed cleanly: %s", run.run_dir, exc)
+        close_quietly(self.cluster)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Run:
+    """One training run on a session's cluster, trained in as many calls as wanted."""
+
+    def __init__(self, session: Session, cfg: TrainConfig, run_dir: Path, *,
+                 stages: Stages | None = None, progress: bool = False,
+                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
+                 reward_service: LambdaEmulator | None = None):
+        self.session, self.cfg, self.run_dir = session, cfg, Path(run_dir)
+        self.status = "set up"
+        self.summary: dict | None = None
+        self._own_service = None
+        self._report = None
+        self._released = False
+        self.rows = RowsSink()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = resolved_yaml(cfg)
+        (self.run_dir / "config.yaml").write_text(resolved)
+        logger.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", resolved)
+        self.sink = make_sinks(cfg.metrics, self.run_dir, json.loads(json.dumps(
+            cfg.model_dump(mode="json", fallback=str))))
+        self.sink.add(self.rows)
+        try:
+            if reward_service is None and cfg.reward.backend == "lambda":
+                reward_service = self._own_service = start_reward_service(cfg)
+            client = session.client
+            live = None
+            if cfg.metrics.dashboard:
+                self.sink.add(DashboardSink(client))
+                live = lambda figures: publish(client, RecordKind.LIVE, {"live": figures})  # noqa: E731
+            self._run = TrainingRun(cfg, session.cluster, self.run_dir, self.sink,
+                                    reward_service.url if reward_service else None,
+                                    stages=stages, on_transition=on_transition,
+                                    publish_live=live)
+            if cfg.metrics.dump_trajectories:
+                self._run.batch_callbacks.append(TrajectoryDump(
+                    self.run_dir / "trajectories.txt", cfg.metrics.dump_trajectories, cfg.seed))
+            if cfg.metrics.dashboard:
+                publish(client, RecordKind.RUN_START, {
+                    "run_id": self._run.run_id,
+                    "env_tasks": [t.name for t in cfg.env_tasks],
+                    "worker_pool": session.cluster.worker_pool,
+                    "max_steps": cfg.trainer.max_steps})
+                announce(client, "run-start", run=self._run.run_id)
+            self._run.setup()
+        except BaseException:
+            self._release()
+            raise
+        self._progress = progress
+
+    @property
+    def version(self) -> int:
+        """The policy version trained so far."""
+        return self._run.version
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("finished", "closed", "interrupted")
+
+    def train(self, steps: int | None = None):
+        """Train ``steps`` more steps (all remaining to ``trainer.max_steps`` when None) and
+        return the metrics DataFrame. Reaching ``trainer.max_steps`` ends the run's rollouts;
+        :meth:`close` then writes its files."""
+        if self.finished:
+            raise RuntimeError(f"run {self.run_dir} is {self.status}; start a new one")
+        target = None if steps is None else min(self.version + steps,
+                                                self.cfg.trainer.max_steps)
+        if self._report is None and self.cfg.metrics.performance_report:
+            self._report = performance_report(filename=str(self.run_dir / "dask-report.html"))
+            self._report.__enter__()
+        self.status = "training"
+        try:
+            with ProgressLine(self.cfg.trainer.max_steps, self._progress) as line:
+                done = self._run.train(line, until=target)
+        except KeyboardInterrupt:
+            logger.warning("interrupted at policy version %d: cancelling the run's work",
+                           self.version)
+            self._run.abort(DropReason.INTERRUPTED)
+            self._finish("interrupted")
+            raise
+        except BaseException:
+            self._run.abort(DropReason.RUN_ENDED)
+            self._finish("failed")
+            raise
+        self.status = "trained" if done else "paused"
+        return self.metrics()
+
+    def metrics(self, kind: str = "train"):
+        """The run's rows as a pandas DataFrame: ``train`` (indexed by ``train/step``) or
+        ``eval`` (one row per evaluation round)."""
+        import pandas as pd
+
+        rows = self.rows.train if kind == "train" else self.rows.eval
+        df = pd.DataFrame(rows)
+        key = "train/step" if kind == "train" else "eval/step"
+        return df.set_index(key, drop=False) if key in df else df
+
+    def time_by_stage(self):
+        """Seconds of task time per env task and stage (the run's Dask spans), by activity,
+        as a DataFrame: where the run's time went."""
+        import pandas as pd
+
+        from flows.monitor import span_times
+
+        times = self.session.client.run_on_scheduler(span_times, self._run.run_id)
+        rows = [{"span": k, "env_task": k.split("/")[0], "stage": k.split("/")[1], **v}
+                for k, v in times.items()]
+        return pd.DataFrame(rows).set_index("span") if rows else pd.DataFrame()
+
+    def plot(self, path: str | Path | None = None) -> Path:
+        """Draw the curves (default ``<run_dir>/curves.png``) and return the file's path."""
+        return draw_curves({self.run_dir.name: (self.rows.train, self.rows.eval)},
+                           path or self.run_dir / "curves.png")
+
+    def close(self) -> dict:
+        """End the run (work still in flight is cancelled and dropped as ``run_ended``), save
+        the policy and a checkpoint, and write ``summary.json``, ``curves.png`` and the
+        performance report. Returns the summary."""
+        if self.summary is not None:
+            return self.summary
+        if self.status != "trained":
+            self._run.abort(DropReason.RUN_ENDED)
+        self._run.save()
+        return self._finish("finished" if self.status == "trained" else "closed")
+
+    def _finish(self, status: str) -> dict:
+        self.status = status
+        try:
+            summary = self._run.summary() | {"status": status}
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2,
+                                                                  default=str))
+            self.summary = summary
+            if self.cfg.metrics.curves and self.rows.train:
+                self.plot()
+        finally:
+            self._release()
+        return self.summary
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        client = self.session.client
+        if self._report is not None:
+            try:
+                self._report.__exit__(None, None, None)
+            except Exception as exc:  # the report is a by-product: never fail the run on it
+                logger.warning("performance report not written: %s", exc)
+            self._report = None
+        if self.cfg.metrics.dashboard and hasattr(self, "_run"):
+            publish(client, RecordKind.RUN_END, {"run_id": self._run.run_id})
+            announce(client, "run-end", run=self._run.run_id, status=self.status)
+        self.sink.close()
+        if self._own_service is not None:
+            self._own_service.stop()
+            self._own_service = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.summary is not None:
+            return
+        if exc_type is None:
+            self.close()
+        else:
+            self._run.abort(DropReason.RUN_ENDED)
+            self._finish("failed")
+
+
+def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None = None,
+                 stages: Stages | None = None, progress: bool | None = None,
+                 on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
+                 dashboard: Callable[[str], object] = print) -> dict:
+    """Run one training job end to end on a cluster of its own (or on ``scheduler``) and
+    return its summary (also ``<run_dir>/summary.json``). ``stages`` replaces stage functions;
+    ``on_transition`` sees every change of a trajectory's state; ``dashboard`` is called with
+    the dashboard's and the RollArc page's lines once the cluster is up. Raises ConfigError or
+    RewardServiceError before any cluster starts::
+
+        summary = run_training(load_config(overrides=["trainer.max_steps=10"]), "runs/short")
+    """
+    cfg = validate(cfg)
+    check_sinks(cfg.metrics)
+    emulator = start_reward_service(cfg)
+    session = None
+    try:
+        if scheduler:
+            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s)
+        else:
+            session = Session.start(cfg)
+        dashboard(f"Dask dashboard: {session.dashboard_link}")
+        if cfg.metrics.dashboard and session.page_link:
+            dashboard(f"RollArc page:   {session.page_link}")
+        show = cfg.metrics.progress if progress is None else progress
+        with Run(session, cfg, Path(run_dir), stages=stages, progress=show,
+                 on_transition=on_transition, reward_service=emulator) as run:
+            run.train()
+        return run.close()
+    finally:
+        if session is not None:
+            session.close()
+        if emulator is not None:
+            emulator.stop()
