@@ -36,7 +36,7 @@ from pathlib import Path
 
 from distributed import performance_report
 
-from flows.config import TrainConfig, load_config, resolved_yaml, validate
+from flows.config import TrainConfig, load_config, resolved_yaml, validate, with_overrides
 from flows.dump import TrajectoryDump
 from flows.launch import close_quietly, make_cluster, start_reward_service
 from flows.lifecycle import DropReason, TrajectoryLedger, Transition
@@ -62,11 +62,9 @@ ConfigLike = TrainConfig | str | Path | None
 
 
 def _config(config: ConfigLike, overrides: Sequence[str] = ()) -> TrainConfig:
+    """A config file (default: the embedded default) or a TrainConfig, with overrides."""
     if isinstance(config, TrainConfig):
-        cfg = config
-        if overrides:
-            raise ValueError("overrides apply to a config file; edit a TrainConfig directly")
-        return validate(cfg)
+        return with_overrides(config, tuple(overrides))
     return load_config(config, list(overrides))
 
 
@@ -87,22 +85,22 @@ def swap(cfg: TrainConfig, env_task: str, **changes) -> TrainConfig:
 class Session:
     """A Dask cluster kept across runs, with the RollArc monitor on its scheduler."""
 
-    def __init__(self, cluster: ClusterHandle, cfg: TrainConfig | None = None,
-                 config_path: str | Path | None = None):
-        self.cluster, self.cfg, self.config_path = cluster, cfg, config_path
+    def __init__(self, cluster: ClusterHandle, cfg: TrainConfig | None = None):
+        self.cluster = cluster
+        self.cfg = cfg  # what runs start from (None: the embedded default)
         self.runs: list[Run] = []
         install_monitor(cluster.client)
 
     @classmethod
     def start(cls, config: ConfigLike = None, overrides: Sequence[str] = ()) -> Session:
-        """Start the local cluster of a config's pools (default: ``config/default.yaml``)::
+        """Start the local cluster of a config's pools (default: ``config/default.yaml``); the
+        config, overrides included, is what the session's runs start from::
 
-            session = Session.start(overrides=["cluster.dashboard_port=8790"])
+            session = Session.start(overrides=["reward.backend=local"])
         """
         cfg = _config(config, overrides)
         register_page_before_start()
-        return cls(make_cluster(cfg, None), cfg,
-                   None if isinstance(config, TrainConfig) else config)
+        return cls(make_cluster(cfg, None), cfg)
 
     @classmethod
     def connect(cls, scheduler: str, timeout: float = 60) -> Session:
@@ -127,8 +125,13 @@ class Session:
 
     def config(self, overrides: Sequence[str] = (), config: str | Path | None = None
                ) -> TrainConfig:
-        """The session's config file (or ``config``) with ``overrides``, to edit and run."""
-        return load_config(config or self.config_path, list(overrides))
+        """The session's config (or the file ``config``) with ``overrides``, to edit and run::
+
+            cfg = session.config(["trainer.max_steps=10"])
+        """
+        if config is None and self.cfg is not None:
+            return with_overrides(self.cfg, tuple(overrides))
+        return load_config(config, list(overrides))
 
     def run(self, config: ConfigLike = None, overrides: Sequence[str] = (), *,
             run_dir: str | Path | None = None, stages: Stages | None = None,
@@ -137,9 +140,7 @@ class Session:
 
             run = session.run(overrides=["trainer.max_steps=10"], run_dir="runs/nb-1")
         """
-        if config is None and self.config_path is not None:
-            config = self.config_path
-        cfg = _config(config, overrides)
+        cfg = self.config(overrides) if config is None else _config(config, overrides)
         run_dir = Path(run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         run = Run(self, cfg, run_dir, stages=stages, progress=progress, **kwargs)
         self.runs.append(run)

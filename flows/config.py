@@ -534,11 +534,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"--config: no such file {str(path)!r}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
-    for item in overrides or []:
+    _apply_overrides(data, overrides or [])
+    return _validated(data)
+
+
+def _apply_overrides(data: dict, overrides) -> None:
+    for item in overrides:
         if "=" not in item:
             raise ConfigError(f"{item}: overrides are written key=value")
         key, _, raw = item.partition("=")
         apply_override(data, key.strip(), _parse_value(raw))
+
+
+def with_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """``cfg`` (Python objects in it kept) with dotted overrides applied, validated."""
+    data = cfg.model_dump()
+    _apply_overrides(data, overrides)
     return _validated(data)
 
 

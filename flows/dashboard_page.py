@@ -55,7 +55,7 @@ class RollArcPage:
         self.scheduler = scheduler
         self.title = Div(text="")
         self.src_step = ColumnDataSource(_lines([], "", [], str))
-        self.src_reward = ColumnDataSource({"x": [], "y": []})
+        self.src_reward = ColumnDataSource({"x": [], "y": [], "t": []})
         self.src_eval = ColumnDataSource({"x": [], "y": [], "name": [], "color": []})
         self.src_wall = ColumnDataSource(_lines([], "", [], str))
         self.src_stale = ColumnDataSource({"staleness": [], "count": []})
@@ -74,10 +74,12 @@ class RollArcPage:
                            legend_label="reward mean")
         self.fig_step.scatter("x", "y", source=self.src_eval, color="color", size=9,
                               marker="diamond", legend_label="evaluation")
-        self.fig_wall = figure(title="Success per env task, by wall time",
-                               x_axis_label="seconds since the run started", **opts)
+        self.fig_wall = figure(title="Reward and success per env task, by wall time",
+                               x_axis_label="seconds of training", **opts)
         self.fig_wall.multi_line("xs", "ys", color="color", legend_field="name",
                                  source=self.src_wall, line_width=2)
+        self.fig_wall.line("t", "y", source=self.src_reward, color="black", line_dash="dashed",
+                           legend_label="reward mean")
         self.fig_stale = figure(title="Staleness of trained trajectories",
                                 x_axis_label="steps behind the trainer", **opts)
         self.fig_stale.vbar(x="staleness", top="count", width=0.8, source=self.src_stale)
@@ -128,7 +130,8 @@ class RollArcPage:
             f"{last.get('rollout/staleness_mean', 0):.2f}</p>")
         self.src_step.data = _lines(train, "train/step", names, lambda n: f"env/{n}/success")
         self.src_reward.data = {"x": [r["train/step"] for r in train],
-                                "y": [r.get("reward/mean", 0.0) for r in train]}
+                                "y": [r.get("reward/mean", 0.0) for r in train],
+                                "t": [r.get("perf/elapsed_s", 0.0) for r in train]}
         ev = [(r["eval/step"], r[f"eval/{n}/success"], n, _color(i))
               for r in evals for i, n in enumerate(names) if f"eval/{n}/success" in r]
         self.src_eval.data = {"x": [e[0] for e in ev], "y": [e[1] for e in ev],

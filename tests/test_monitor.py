@@ -91,6 +91,9 @@ def test_page_and_metrics_carry_the_run_while_it_trains(session, finished_run):
     assert prometheus_value(text, "rollarc_train_step", run="chunks") == 1
     for pool in ("compute", "bandwidth", "env"):
         assert 0 <= prometheus_value(text, "rollarc_pool_busy_fraction", pool=pool) <= 1
+    # milestones on the dashboard's /events page (topic "all", with an action)
+    actions = [e["action"] for _, e in session.client.get_events("all") if "action" in e]
+    assert "rollarc-run-start" in actions and "rollarc-run-end" in actions
 
 
 def test_page_renders_its_plots_in_a_browser(finished_run, chromium):
