@@ -66,20 +66,12 @@ class RollArcPage:
         self.reward_table = Div(text="")
 
         opts = {"height": HEIGHT, "sizing_mode": "stretch_width", "tools": "pan,wheel_zoom,reset"}
-        self.fig_step = figure(title="Reward and success per env task, by step",
-                               x_axis_label="policy version (train step)", **opts)
-        self.fig_step.multi_line("xs", "ys", color="color", legend_field="name",
-                                 source=self.src_step, line_width=2)
-        self.fig_step.line("x", "y", source=self.src_reward, color="black", line_dash="dashed",
-                           legend_label="reward mean")
+        self.fig_step = self._curves("Reward and success per env task, by step",
+                                     "policy version (train step)", self.src_step, "x", opts)
         self.fig_step.scatter("x", "y", source=self.src_eval, color="color", size=9,
                               marker="diamond", legend_label="evaluation")
-        self.fig_wall = figure(title="Reward and success per env task, by wall time",
-                               x_axis_label="seconds of training", **opts)
-        self.fig_wall.multi_line("xs", "ys", color="color", legend_field="name",
-                                 source=self.src_wall, line_width=2)
-        self.fig_wall.line("t", "y", source=self.src_reward, color="black", line_dash="dashed",
-                           legend_label="reward mean")
+        self.fig_wall = self._curves("Reward and success per env task, by wall time",
+                                     "seconds of training", self.src_wall, "t", opts)
         self.fig_stale = figure(title="Staleness of trained trajectories",
                                 x_axis_label="steps behind the trainer", **opts)
         self.fig_stale.vbar(x="staleness", top="count", width=0.8, source=self.src_stale)
@@ -89,7 +81,7 @@ class RollArcPage:
         self.fig_pools = self._hbar("Trajectories in flight per pool", self.src_pools, opts)
         self.fig_versions = self._hbar("Policy version held by each inference worker",
                                        self.src_versions, opts)
-        self.fig_busy = figure(title="Pool busy fraction (share of task slots running)",
+        self.fig_busy = figure(title="Pool busy fraction (share of time its workers ran a task)",
                                x_axis_label="seconds since the run started", y_range=(0, 1.05),
                                **opts)
         self.fig_busy.multi_line("xs", "ys", color="color", legend_field="name",
@@ -103,6 +95,16 @@ class RollArcPage:
             row(self.fig_pools, self.fig_versions, sizing_mode="stretch_width"),
             row(self.fig_busy, self.reward_table, sizing_mode="stretch_width"),
             sizing_mode="stretch_width")
+
+    def _curves(self, title: str, x_label: str, lines: ColumnDataSource, reward_x: str,
+                opts: dict):
+        """Success per env task (one line each) and the mean reward (dashed)."""
+        fig = figure(title=title, x_axis_label=x_label, **opts)
+        fig.multi_line("xs", "ys", color="color", legend_field="name", source=lines,
+                       line_width=2)
+        fig.line(reward_x, "y", source=self.src_reward, color="black", line_dash="dashed",
+                 legend_label="reward mean")
+        return fig
 
     @staticmethod
     def _hbar(title: str, source: ColumnDataSource, opts: dict):

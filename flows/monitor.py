@@ -144,7 +144,10 @@ class RunRecords:
         self.ended = False
         self.earlier: list[str] = []
         self.busy: dict[str, deque] = defaultdict(lambda: deque(maxlen=BUSY_HISTORY))
-        self._compute_s: dict[str, float] = defaultdict(float)  # since the last sample
+        # per worker: compute intervals of tasks finished since the last sample, and how far
+        # its busy time is already counted (no double counting of overlapping tasks)
+        self._intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._counted_until: dict[str, float] = defaultdict(float)
         self._sampled_at = time.time()
 
     def on_record(self, rec: dict) -> None:
@@ -167,27 +170,37 @@ class RunRecords:
     def pool_of(self, address: str, name: str) -> str:
         return self.worker_pool.get(address) or str(name).rsplit("-", 1)[0]
 
-    def task_done(self, scheduler, worker: str, startstops) -> None:
-        """A task's compute time counts to its worker's pool."""
-        ws = scheduler.workers.get(worker)
-        pool = self.pool_of(worker, ws.name if ws is not None else worker)
+    def task_done(self, worker: str, startstops) -> None:
+        """A finished task's compute interval, for its worker's busy time."""
         for ss in startstops or ():
             if ss.get("action") == "compute":
-                self._compute_s[pool] += ss["stop"] - ss["start"]
+                self._intervals[worker].append((ss["start"], ss["stop"]))
+
+    def _busy_s(self, worker: str) -> float:
+        """Seconds the worker ran at least one task, of the tasks finished since the last
+        sample (a task counts in the sample it finishes in)."""
+        total, until = 0.0, self._counted_until[worker]
+        for start, stop in sorted(self._intervals.pop(worker, ())):
+            start = max(start, until)
+            if stop > start:
+                total += stop - start
+                until = stop
+        self._counted_until[worker] = until
+        return total
 
     def sample_busy(self, scheduler) -> None:
-        """Each pool's busy fraction since the last sample: task compute seconds over the
-        pool's task slots times the interval (a task is counted when it ends)."""
+        """Each pool's busy fraction since the last sample: the share of time its workers ran
+        at least one task (a device is busy while any batch runs, whatever its slot count)."""
         now = time.time()
         interval, self._sampled_at = max(now - self._sampled_at, 1e-3), now
-        if self.run_id is None or self.ended:
-            self._compute_s.clear()
-            return
-        slots: dict[str, int] = defaultdict(int)
+        workers: dict[str, list[str]] = defaultdict(list)
         for ws in scheduler.workers.values():
-            slots[self.pool_of(ws.address, ws.name)] += ws.nthreads
-        for pool, n in slots.items():
-            busy = self._compute_s.pop(pool, 0.0) / (max(n, 1) * interval)
+            workers[self.pool_of(ws.address, ws.name)].append(ws.address)
+        if self.run_id is None or self.ended:
+            self._intervals.clear()
+            return
+        for pool, addrs in workers.items():
+            busy = sum(self._busy_s(a) for a in addrs) / (len(addrs) * interval)
             self.busy[pool].append((now - self.started, min(busy, 1.0)))
 
     def busy_mean(self) -> dict[str, float]:
@@ -226,7 +239,7 @@ class RunMonitor(SchedulerPlugin):
 
     def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs) -> None:
         if start == "processing" and finish in ("memory", "erred") and "worker" in kwargs:
-            self.records.task_done(self.scheduler, kwargs["worker"], kwargs.get("startstops"))
+            self.records.task_done(kwargs["worker"], kwargs.get("startstops"))
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == TOPIC and isinstance(msg, dict) and "kind" in msg:
@@ -323,7 +336,7 @@ def _register_collector(records: RunRecords):
                 gauge("rollarc_worker_policy_version", "Policy version an inference worker "
                       "holds", {"worker": worker}, v)
             for pool, f in records.busy_mean().items():
-                gauge("rollarc_pool_busy_fraction", "Mean share of the pool's task slots busy",
+                gauge("rollarc_pool_busy_fraction", "Mean share of time the pool ran a task",
                       {"pool": pool}, f)
             yield from families.values()
 

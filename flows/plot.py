@@ -28,6 +28,16 @@ def env_names(rows: list[dict]) -> list[str]:
     return list(names)
 
 
+def trained_per_s(train: list[dict]) -> list[float]:
+    """Trajectories trained per second of each step after the first."""
+    out = []
+    for a, b in zip(train, train[1:], strict=False):
+        dt = b.get("perf/elapsed_s", 0.0) - a.get("perf/elapsed_s", 0.0)
+        dn = b.get("rollout/trained", 0) - a.get("rollout/trained", 0)
+        out.append(dn / dt if dt > 0 else 0.0)
+    return out
+
+
 def draw_curves(runs: dict[str, tuple[list[dict], list[dict]]], out: str | Path) -> Path:
     """``runs``: label -> (train rows, evaluation rows), as :func:`flows.metrics.read_metrics`
     gives them. Writes the PNG and returns its path."""
@@ -70,14 +80,15 @@ def draw_curves(runs: dict[str, tuple[list[dict], list[dict]]], out: str | Path)
         ax_stale.plot(steps, [r.get("rollout/staleness_max", 0) for r in train], style,
                       color="C3", lw=0.8, label=f"{tag}max")
         ax_tput.plot(steps, [r.get("perf/trajectories_per_s", 0.0) for r in train], style,
-                     color="C2", label=f"{tag}trajectories/s")
+                     color="C2", label=f"{tag}finished/s, since the start")
+        ax_tput.plot(steps[1:], trained_per_s(train), style, color="C4", lw=0.8,
+                     label=f"{tag}trained/s, per step")
     ax_step.set(title="Reward and success by step", xlabel="policy version (train step)",
                 ylabel="success rate; mean reward")
     ax_wall.set(title="Reward and success by wall time", xlabel="seconds since the first step")
     ax_stale.set(title="Staleness of trained trajectories", xlabel="policy version",
                  ylabel="steps")
-    ax_tput.set(title="Throughput (finished trajectories per second)",
-                xlabel="policy version")
+    ax_tput.set(title="Throughput", xlabel="policy version", ylabel="trajectories per second")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     ax_step.legend(fontsize=7, loc="lower right")
