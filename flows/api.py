@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from enum import StrEnum
 from pathlib import Path
 
 from distributed import performance_report
@@ -163,6 +164,20 @@ class Session:
         self.close()
 
 
+class RunStatus(StrEnum):
+    SET_UP = "set up"
+    TRAINING = "training"
+    PAUSED = "paused"  # train(n) returned; the work in flight carries on
+    TRAINED = "trained"  # trainer.max_steps reached, nothing in flight
+    FINISHED = "finished"  # trained, then closed: files written
+    CLOSED = "closed"  # closed before trainer.max_steps
+    INTERRUPTED = "interrupted"  # KeyboardInterrupt during train()
+    FAILED = "failed"  # an error during train()
+
+
+ENDED = (RunStatus.FINISHED, RunStatus.CLOSED, RunStatus.INTERRUPTED, RunStatus.FAILED)
+
+
 class Run:
     """One training run on a session's cluster, trained in as many calls as wanted."""
 
@@ -171,7 +186,7 @@ class Run:
                  on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
                  reward_service: LambdaEmulator | None = None):
         self.session, self.cfg, self.run_dir = session, cfg, Path(run_dir)
-        self.status = "set up"
+        self.status = RunStatus.SET_UP
         self.summary: dict | None = None
         self._own_service = None
         self._report = None
@@ -218,35 +233,29 @@ class Run:
         return self._run.version
 
     @property
-    def finished(self) -> bool:
-        return self.status in ("finished", "closed", "interrupted")
+    def ended(self) -> bool:
+        return self.status in ENDED
 
     def train(self, steps: int | None = None):
         """Train ``steps`` more steps (all remaining to ``trainer.max_steps`` when None) and
         return the metrics DataFrame. Reaching ``trainer.max_steps`` ends the run's rollouts;
         :meth:`close` then writes its files."""
-        if self.finished:
+        if self.ended:
             raise RuntimeError(f"run {self.run_dir} is {self.status}; start a new one")
         target = None if steps is None else min(self.version + steps,
                                                 self.cfg.trainer.max_steps)
         if self._report is None and self.cfg.metrics.performance_report:
             self._report = performance_report(filename=str(self.run_dir / "dask-report.html"))
             self._report.__enter__()
-        self.status = "training"
+        self.status = RunStatus.TRAINING
         try:
             with ProgressLine(self.cfg.trainer.max_steps, self._progress) as line:
                 done = self._run.train(line, until=target)
-        except KeyboardInterrupt:
-            logger.warning("interrupted at policy version %d: cancelling the run's work",
-                           self.version)
-            self._run.abort(DropReason.INTERRUPTED)
-            self._finish("interrupted")
+        except BaseException as exc:
+            self._stop(RunStatus.INTERRUPTED if isinstance(exc, KeyboardInterrupt)
+                       else RunStatus.FAILED)
             raise
-        except BaseException:
-            self._run.abort(DropReason.RUN_ENDED)
-            self._finish("failed")
-            raise
-        self.status = "trained" if done else "paused"
+        self.status = RunStatus.TRAINED if done else RunStatus.PAUSED
         return self.metrics()
 
     def metrics(self, kind: str = "train"):
@@ -282,15 +291,32 @@ class Run:
         performance report. Returns the summary."""
         if self.summary is not None:
             return self.summary
-        if self.status != "trained":
+        trained = self.status is RunStatus.TRAINED
+        if not trained:
             self._run.abort(DropReason.RUN_ENDED)
         self._run.save()
-        return self._finish("finished" if self.status == "trained" else "closed")
+        return self._finish(RunStatus.FINISHED if trained else RunStatus.CLOSED)
 
-    def _finish(self, status: str) -> dict:
+    def _stop(self, status: RunStatus) -> None:
+        """Train failed or was interrupted: cancel the run's work, drop its trajectories with
+        the reason, write what can be written. Errors here are logged, never raised over the
+        one that stopped the run."""
+        logger.warning("run %s %s at policy version %d: cancelling its work in flight",
+                       self.run_dir, status, self.version)
+        reason = DropReason.INTERRUPTED if status is RunStatus.INTERRUPTED else \
+            DropReason.RUN_ENDED
+        try:
+            self._run.abort(reason)
+            self._finish(status)
+        except Exception as exc:
+            logger.warning("run %s: could not finish cleanly: %s", self.run_dir, exc)
+            self.status = status
+            self._release()
+
+    def _finish(self, status: RunStatus) -> dict:
         self.status = status
         try:
-            summary = self._run.summary() | {"status": status}
+            summary = self._run.summary() | {"status": str(status)}
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2,
                                                                   default=str))
             self.summary = summary
@@ -313,7 +339,7 @@ class Run:
             self._report = None
         if self.cfg.metrics.dashboard and hasattr(self, "_run"):
             publish(client, RecordKind.RUN_END, {"run_id": self._run.run_id})
-            announce(client, "run-end", run=self._run.run_id, status=self.status)
+            announce(client, "run-end", run=self._run.run_id, status=str(self.status))
         self.sink.close()
         if self._own_service is not None:
             self._own_service.stop()
@@ -328,8 +354,7 @@ class Run:
         if exc_type is None:
             self.close()
         else:
-            self._run.abort(DropReason.RUN_ENDED)
-            self._finish("failed")
+            self._stop(RunStatus.FAILED)
 
 
 def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None = None,

@@ -1,5 +1,5 @@
 """The RollArc page of the Dask dashboard (``/individual-rollarc``): a Bokeh document in the
-scheduler's dashboard server, redrawn every second from :class:`flows.monitor.RunRecords`.
+scheduler's dashboard server, redrawn every second from the monitor's records (:class:`flows.monitor.RunRecords`).
 
 Top: reward and per-env-task success against step and against wall time, evaluation rounds as
 markers. Then the staleness histogram of trained trajectories, trajectories by state (trained,
@@ -10,6 +10,8 @@ holds, the pools' busy fractions over time, and the reward service's figures.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, SingleIntervalTicker
@@ -51,8 +53,8 @@ def _bars(counts: dict) -> dict:
 class RollArcPage:
     """The figures and their sources; :meth:`update` redraws them from the monitor."""
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    def __init__(self, records_of: Callable[[], Any]):
+        self.records_of = records_of  # the monitor's RunRecords, or None
         self.title = Div(text="")
         self.src_step = ColumnDataSource(_lines([], "", [], str))
         self.src_reward = ColumnDataSource({"x": [], "y": [], "t": []})
@@ -114,10 +116,7 @@ class RollArcPage:
         return fig
 
     def update(self) -> None:
-        from flows.monitor import monitor_of
-
-        monitor = monitor_of(self.scheduler)
-        rec = monitor.records if monitor is not None else None
+        rec = self.records_of()
         if rec is None or rec.run_id is None:
             self.title.text = "<h3>RollArc</h3><p>No RollArc run has reported to this " \
                               "scheduler yet.</p>"
@@ -173,9 +172,9 @@ def _fmt(v) -> str:
     return f"{v:.1f}" if isinstance(v, float) and not float(v).is_integer() else f"{int(v)}"
 
 
-def rollarc_doc(scheduler, extra, doc) -> None:
-    """The Bokeh application function (``applications[PAGE]`` signature)."""
-    page = RollArcPage(scheduler)
+def rollarc_doc(doc, records_of: Callable[[], Any]) -> None:
+    """Build the page in a Bokeh document; ``records_of`` returns the current records."""
+    page = RollArcPage(records_of)
     page.update()
     doc.add_periodic_callback(page.update, UPDATE_MS)
     doc.add_root(page.root)

@@ -366,13 +366,9 @@ def install_page(scheduler) -> bool:
         return False
     if PAGE in bokeh.app_paths:
         return True
-    import functools
-
-    from flows.dashboard_page import rollarc_doc
-
     prefix = bokeh.prefix
     ctx = ApplicationContext(Application(FunctionHandler(
-        functools.partial(rollarc_doc, scheduler, {"prefix": prefix + "/"}))), url=PAGE)
+        lambda doc: page_doc(scheduler, {"prefix": prefix + "/"}, doc))), url=PAGE)
     ctx._loop = bokeh.io_loop
     routes = []
     for pattern, handler in per_app_patterns:
@@ -387,14 +383,24 @@ def install_page(scheduler) -> bool:
     return True
 
 
+def page_doc(scheduler, extra, doc) -> None:
+    """The page as a dashboard application (``applications[PAGE]`` signature): built from
+    the records of the scheduler's monitor."""
+    from flows.dashboard_page import rollarc_doc
+
+    def records_of():
+        monitor = monitor_of(scheduler)
+        return monitor.records if monitor is not None else None
+
+    rollarc_doc(doc, records_of)
+
+
 def register_page_before_start() -> None:
     """For a scheduler this process starts: the page in the dashboard's application table, so
     it is also in the dashboard's menu."""
     from distributed.dashboard.scheduler import applications
 
-    from flows.dashboard_page import rollarc_doc
-
-    applications.setdefault(PAGE, rollarc_doc)
+    applications.setdefault(PAGE, page_doc)
 
 
 def span_times(run_id: str, dask_scheduler=None) -> dict[str, dict[str, float]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from distributed import Client, LocalCluster
 
-from flows.api import Session, swap
+from flows.api import RunStatus, Session, swap
 from flows.config import ConfigError, load_config
 from flows.lifecycle import DropReason
 from flows.metrics import check_sinks, read_metrics
@@ -130,7 +130,7 @@ def test_page_renders_its_plots_in_a_browser(finished_run, chromium):
 
 def test_a_run_trains_in_chunks_and_leaves_its_pictures(finished_run):
     run, summary = finished_run["run"], finished_run["summary"]
-    assert finished_run["paused"] == "paused"
+    assert finished_run["paused"] is RunStatus.PAUSED
     assert list(finished_run["first"]["train/step"]) == [1]
     assert list(finished_run["second"]["train/step"]) == [1, 2]
     assert summary["status"] == "finished" and summary["policy_version"] == 2
@@ -193,7 +193,7 @@ def test_an_interrupt_cancels_the_run_and_leaves_the_cluster_usable(session, tmp
     with pytest.raises(KeyboardInterrupt):
         run.train()
     s = run.summary
-    assert run.status == "interrupted" and s["status"] == "interrupted"
+    assert run.status is RunStatus.INTERRUPTED and s["status"] == "interrupted"
     t = s["trajectories"]
     assert t["dropped"].get(str(DropReason.INTERRUPTED), 0) > 0
     assert t["started"] == t["trained"] + sum(t["dropped"].values())
