@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -278,3 +279,32 @@ def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, con
         for metric in ("success", "turns", "format_penalty", "env_step_s"):
             assert f"env/{name}/{metric}" in train_keys
     assert summary["evaluation"]["episodes_started"] == 2 * len(names)
+
+
+def test_ctrl_c_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
+    """SIGINT mid-run: the work in flight is cancelled, environments closed, the summary
+    written with the interrupted trajectories counted, exit code 130, no hang."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir),
+                             "trainer.max_steps=500", "metrics.progress=false",
+                             "cluster.dashboard_port=0"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").read_text():
+            time.sleep(0.5)  # at least one step trained
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "interrupted" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    t = summary["trajectories"]
+    assert t["dropped"].get("interrupted", 0) > 0
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())
+    assert summary["live_env_instances_at_end"] == 0
