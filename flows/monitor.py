@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import re
 import time
 from collections import defaultdict, deque
@@ -81,8 +82,17 @@ class DashboardSink:
 
 
 def _jsonable(row: dict) -> dict:
-    return {k: (v if isinstance(v, int | float | str | bool) or v is None else str(v))
-            for k, v in row.items()}
+    """Numbers (numpy's too) as Python numbers, anything else as text: msgpack-safe."""
+    def plain(v):
+        if isinstance(v, bool | str) or v is None:
+            return v
+        if isinstance(v, numbers.Integral):
+            return int(v)
+        if isinstance(v, numbers.Real):
+            return float(v)
+        return str(v)
+
+    return {k: plain(v) for k, v in row.items()}
 
 
 def install_monitor(client: Client) -> None:
