@@ -154,6 +154,10 @@ class RolloutConfig(_Strict):
     cohort_max: int = Field(
         default=64, ge=1, description="Turns ready at once on the same workers go as one task "
         "per stage, this many trajectories at most (1: a task per trajectory and turn)")
+    cohort_per_env_task: bool = Field(
+        default=False, description="A cohort holds one env task, so every task's Dask span "
+        "names its env task (exact time per env task in Fine Performance Metrics) at the cost "
+        "of more, smaller tasks; false: a cohort mixing env tasks carries the span 'mixed'")
     dispatch: Dispatch = Field(
         default=Dispatch.SPLIT, description="split: every turn's prefill on the compute pool and "
         "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "

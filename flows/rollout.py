@@ -58,6 +58,7 @@ class _Cohort:
     submitted: float  # wall clock
 
 
+MIXED_SPAN = "mixed"  # the span of a cohort holding several env tasks
 # evaluation episodes' trajectory ids start here (training ids count up from 0)
 EVAL_ID_OFFSET = 10**9
 
@@ -160,8 +161,8 @@ class RolloutDriver:
             rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
             for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
                 self.router.started(w)
-            # one env task per cohort: its tasks' span names it
-            key = (rec.next_obs is None, rec.env_task.name, rec.env_worker, plan.prefill_worker,
+            env_task = rec.env_task.name if self.cfg.rollout.cohort_per_env_task else None
+            key = (rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
                    plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         size = self.cfg.rollout.cohort_max
@@ -171,8 +172,12 @@ class RolloutDriver:
     def _submit_cohort(self, key: tuple, members: list[tuple[RolloutRecord, TurnShape | None]]
                        ) -> Future:
         """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members."""
-        fresh, env_task, env_w, pre_w, pre_tag, dec_w, dec_tag = key
+        fresh, _, env_w, pre_w, pre_tag, dec_w, dec_tag = key
         recs = [rec for rec, _ in members]
+        # the span of the cohort's tasks: its env task, or "mixed" when it holds several
+        env_task = recs[0].env_task.name
+        if any(r.env_task.name != env_task for r in recs):
+            env_task = MIXED_SPAN
         shapes = [shape for _, shape in members]
         if len(recs) == 1:
             r = recs[0]

@@ -56,7 +56,8 @@ def finished_run(session, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "chunks"
     run = session.run(overrides=[*QUIET, "trainer.max_steps=2", "eval.every_steps=2",
                                  "eval.episodes=4", "metrics.dump_trajectories=2",
-                                 "metrics.sinks=[jsonl,tensorboard,wandb]"],
+                                 "metrics.sinks=[jsonl,tensorboard,wandb]",
+                                 "rollout.cohort_per_env_task=true"],
                       run_dir=run_dir)
     first = run.train(1)
     paused = run.status
@@ -200,6 +201,9 @@ def test_an_interrupt_cancels_the_run_and_leaves_the_cluster_usable(session, tmp
     assert s["live_env_instances_at_end"] == 0
     with pytest.raises(RuntimeError, match="interrupted"):
         run.train(1)
+    # cohorts mixing env tasks (the default) carry the span "mixed"
+    env_tasks = {i.split("/")[0] for i in run.time_by_stage().index}
+    assert env_tasks <= {"frozenlake", "guess_number", "mixed", "reward", "trainer"}
     # the same cluster trains the next run
     again = session.run(overrides=[*QUIET, "trainer.max_steps=1"], run_dir=tmp_path / "again")
     again.train()
