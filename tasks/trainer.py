@@ -6,6 +6,7 @@ shipped implementation from config.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -174,18 +175,24 @@ class PolicyTrainer:
     def _save_checkpoint(self, run_dir: str) -> str:
         run = Path(run_dir)
         save_policy(self.model, self.tokenizer, run / "policy")
-        ckpt = run / "checkpoint.pt"
-        torch.save({
+        return write_checkpoint(self.checkpoint_state(), run / "checkpoint.pt")
+
+    def checkpoint_state(self) -> dict:
+        """Everything a resume needs, as tensors and plain Python values only, so that it
+        loads with ``torch.load(weights_only=True)`` (no arbitrary pickle from disk)."""
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        return {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version, "torch_rng": torch.get_rng_state(),
-            "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-            "shuffle_rng": self._shuffle_rng.getstate(),
-        }, ckpt)
-        return str(ckpt)
+            "numpy_rng": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "python_rng": _plain(random.getstate()),
+            "shuffle_rng": _plain(self._shuffle_rng.getstate()),
+        }
 
     def load_checkpoint(self, path: str) -> int:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
@@ -193,11 +200,32 @@ class PolicyTrainer:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.scheduler.step()  # re-evaluate the lr at the restored version
         torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
-        if "shuffle_rng" in state:  # absent from checkpoints written before it existed
-            self._shuffle_rng.setstate(state["shuffle_rng"])
+        n = state["numpy_rng"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["gauss"]))
+        random.setstate(_tuples(state["python_rng"]))
+        self._shuffle_rng.setstate(_tuples(state["shuffle_rng"]))
         return self.version
+
+
+def _plain(rng_state: tuple) -> list:
+    """``random.getstate()`` as lists (tuples round-trip as lists)."""
+    return [list(x) if isinstance(x, tuple) else x for x in rng_state]
+
+
+def _tuples(rng_state: list) -> tuple:
+    return tuple(tuple(x) if isinstance(x, list) else x for x in rng_state)
+
+
+def write_checkpoint(state: dict, path: str | Path) -> str:
+    """``torch.save`` to a temporary file beside ``path``, then an atomic rename: a crash
+    mid-write never leaves a truncated checkpoint under the real name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return str(path)
 
 
 def policy_trainer(policy: PolicySpec | dict, hparams: TrainerHParams | dict, seed: int = 0,

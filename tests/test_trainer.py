@@ -126,9 +126,13 @@ def test_checkpoint_restores_the_shuffle_state(tmp_path):
     a.train_step(_batch(8, seed=0))
     path = a.save_checkpoint(str(tmp_path))
     assert (tmp_path / "policy" / "config.json").exists()
-    keys = set(torch.load(path, weights_only=False))
+    keys = set(torch.load(path, weights_only=True))  # tensors and plain values only
     assert keys == {"model", "optimizer", "scheduler", "version", "torch_rng", "numpy_rng",
                     "python_rng", "shuffle_rng"}
+    saved = np.random.get_state(), random.getstate()
+    expected = (np.random.random(), random.random())  # what the global RNGs draw next
+    np.random.set_state(saved[0])
+    random.setstate(saved[1])
     random.seed(1)  # other code on the worker draws from the global RNG meanwhile
     uninterrupted = a.train_step(_batch(8, version=1, seed=1))
 
@@ -138,3 +142,5 @@ def test_checkpoint_restores_the_shuffle_state(tmp_path):
     resumed = b.train_step(_batch(8, version=1, seed=1))
     assert _steps_equal(uninterrupted, resumed)
     assert _weights_equal(a, b)
+    b.load_checkpoint(path)  # the global RNGs come back too
+    assert (np.random.random(), random.random()) == expected
