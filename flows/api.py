@@ -307,6 +307,8 @@ class Run:
             DropReason.RUN_ENDED
         try:
             self._run.abort(reason)
+            if status is RunStatus.INTERRUPTED and self.cfg.trainer.checkpoint_every:
+                self._run.checkpoint_now()  # --resume continues from here
             self._finish(status)
         except Exception as exc:
             logger.warning("run %s: could not finish cleanly: %s", self.run_dir, exc)

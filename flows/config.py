@@ -241,6 +241,12 @@ class TrainerConfig(_Strict):
         default_factory=lambda: {COMPONENT: "tasks.losses.decoupled_ppo_loss"},
         description="Policy loss (tasks.losses.LossFn); extra keys are bound as kwargs")
     resume_from: str | None = Field(default=None, description="checkpoint.pt to resume from")
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Write a resumable checkpoint every this many train steps "
+        "under <run_dir>/checkpoints/ (0: only the final one); python flows/train.py --resume "
+        "RUN_DIR continues from the newest")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Periodic checkpoints kept (the "
+                                  "oldest are deleted)")
 
 
 # engine.backend may name a built-in backend instead of giving its component spec

@@ -23,6 +23,7 @@ class FutureKind(Enum):
     TRAIN = "train"  # a train step
     LOAD_WEIGHTS = "load_weights"  # an inference worker switched to published weights
     TIME_SHARE = "time_share"  # an emulated engine yielded its GPUs to colocated training
+    CHECKPOINT = "checkpoint"  # the trainer wrote a periodic checkpoint
 
 
 @dataclass

@@ -231,6 +231,18 @@ class GroupDraw:
                         self.rng.randrange(env_task.seed_range)))
             self.groups += 1
 
+    def state(self) -> dict:
+        """JSON-able: the random stream, the groups drawn, the env task kept for later."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "groups": self.groups,
+                "next": None if self._next is None else self.env_tasks.index(self._next)}
+
+    def restore(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.groups = int(state["groups"])
+        self._next = None if state["next"] is None else self.env_tasks[state["next"]]
+
 
 def decode_seed(*parts) -> int:
     """The sampling seed of one turn (run seed, trajectory, turn, attempt): the same in the Dask

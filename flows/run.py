@@ -19,6 +19,9 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from distributed import Future
+
+from flows import checkpoints
 from flows.config import TrainConfig, reward_callables
 from flows.dispatch import Dispatch
 from flows.evaluation import Evaluator
@@ -50,6 +53,7 @@ from tasks.stages import Stages
 logger = logging.getLogger(__name__)
 
 LIVE_EVERY_S = 0.5
+TRAIN_STEP_GRACE_S = 120  # an interrupted run waits this long for its running train step
 IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
                     TrajState.SCORING, TrajState.IN_GROUP)
 
@@ -117,6 +121,9 @@ class TrainingRun:
         self.t0: float | None = None
         self._paused_at: float | None = None
         self._live_sent = 0.0
+        self._elapsed_before = 0.0  # training time of the run this one resumes
+        self._train_future: Future | None = None
+        self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
 
     def _worker_devices(self) -> dict[str, DeviceModel] | None:
         """rollout.dispatch=length_aware: each inference worker's engine as the device model
@@ -152,8 +159,11 @@ class TrainingRun:
             trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation()))
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
-            # new group seeds after a resume, not a replay of the first run's
-            self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
+            driver_state = Path(cfg.trainer.resume_from).parent / checkpoints.DRIVER_STATE
+            if driver_state.is_file():  # a periodic checkpoint: continue exactly
+                self._restore_driver(json.loads(driver_state.read_text()))
+            else:  # a final checkpoint: new group seeds, not a replay of the first run's
+                self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
         for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
                         strict=True):
@@ -163,7 +173,8 @@ class TrainingRun:
     def elapsed_s(self) -> float:
         """Training wall time: from the first :meth:`train` call, pauses between calls not
         counted."""
-        return 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        since = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        return self._elapsed_before + since
 
     def train(self, progress: ProgressLine, until: int | None = None) -> bool:
         """The event loop: until ``trainer.max_steps`` steps are trained and nothing is left in
@@ -178,7 +189,8 @@ class TrainingRun:
         handlers = {FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
                     FutureKind.LOAD_WEIGHTS: self._on_load,
-                    FutureKind.TIME_SHARE: self._on_time_share}
+                    FutureKind.TIME_SHARE: self._on_time_share,
+                    FutureKind.CHECKPOINT: self._on_checkpoint}
         while True:
             if until is not None and self.version >= until and not self.driver.stopping:
                 self._send_live(force=True)
@@ -210,9 +222,28 @@ class TrainingRun:
 
     def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
         """Stop at once (an interrupt): cancel the work in flight, close the live environment
-        instances, drop every live trajectory with ``reason``. The cluster stays usable."""
+        instances, drop every live trajectory with ``reason``. A train step already running
+        is let finish and recorded, so that the trainer and the metrics agree on the version.
+        The cluster stays usable."""
         self.driver.stop()
-        self.client.cancel(self.events.pending())
+        running = self._train_future
+        finishing = {running.key} if running is not None else set()
+        finishing |= set(self._checkpointing)
+        self.client.cancel([f for f in self.events.pending() if f.key not in finishing])
+        if running is not None:
+            try:
+                self._record_train(running.result(timeout=TRAIN_STEP_GRACE_S))
+            except Exception as exc:  # cancelled before it started, failed, or too slow
+                logger.warning("the train step in flight did not finish: %s", exc)
+            self._train_future = None
+            self.trainer_busy = False
+        for fut, directory, state in self._checkpointing.values():  # let a periodic one land
+            try:
+                fut.result(timeout=TRAIN_STEP_GRACE_S)
+                self._finish_checkpoint(directory, state)
+            except Exception as exc:
+                logger.warning("checkpoint %s not finished: %s", directory, exc)
+        self._checkpointing.clear()
         self.driver.close_all()
         self.driver.wait_closing(timeout=30)
         for evaluation in (False, True):
@@ -279,8 +310,8 @@ class TrainingRun:
         self._drop(d.orphaned, DropReason.GROUP_INCOMPLETE)
         if not d.samples:
             return
-        self.events.track(self.trainer.train(TrainBatch(d.samples, self.version)),
-                          FutureKind.TRAIN)
+        self._train_future = self.events.track(
+            self.trainer.train(TrainBatch(d.samples, self.version)), FutureKind.TRAIN)
         if self.colocated_device is not None:
             seconds = self.colocated_device.train_step_time(sequence_lengths(d.samples))
             for f in self.trainer.time_share(self.version, seconds):
@@ -324,17 +355,11 @@ class TrainingRun:
 
     def _on_train(self, ev: Event, progress: ProgressLine) -> None:
         self.trainer_busy = False
+        self._train_future = None
         if ev.future.status != "finished":  # a trainer failure ends the run loudly
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
-        stats: TrainStats = ev.result
-        self.train_windows.append((self.train_submitted_at, time.perf_counter()))
-        self.version = stats.policy_version
-        metrics = {"train/step": self.version, **stats.log("train"), **self.batch_info,
-                   **perf_metrics(self.elapsed_s, self.ledger.summary()),
-                   **self.rewards.metrics()}
-        self.sink.log(metrics)
-        self.last_metrics = metrics
-        progress.update(metrics, [t.name for t in self.cfg.env_tasks])
+        self._record_train(ev.result)
+        progress.update(self.last_metrics, [t.name for t in self.cfg.env_tasks])
         if self.version >= self.cfg.trainer.max_steps:
             self.driver.stop()
         for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
@@ -345,6 +370,63 @@ class TrainingRun:
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
                 self.driver.start(ep.group_id, ep.env_task, ep.seed, eval_round=ep.round_id)
+        self._maybe_checkpoint()
+
+    def _record_train(self, stats: TrainStats) -> None:
+        """A train step's result: the new version and its metrics row."""
+        self.train_windows.append((self.train_submitted_at, time.perf_counter()))
+        self.version = stats.policy_version
+        metrics = {"train/step": self.version, **stats.log("train"), **self.batch_info,
+                   **perf_metrics(self.elapsed_s, self.ledger.summary()),
+                   **self.rewards.metrics()}
+        self.sink.log(metrics)
+        self.last_metrics = metrics
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        """Every ``trainer.checkpoint_every`` steps: the trainer writes its checkpoint (no train
+        step starts meanwhile, so it is of this version), then the driver its state."""
+        every = self.cfg.trainer.checkpoint_every
+        if not every or self.version % every or self.version >= self.cfg.trainer.max_steps:
+            return
+        directory = checkpoints.step_dir(self.run_dir, self.version)
+        fut = self.trainer.checkpoint(str(directory), self.version)
+        self._checkpointing[fut.key] = (fut, directory, self.driver_state())
+        self.events.track(fut, FutureKind.CHECKPOINT)
+        self.trainer_busy = True
+
+    def _on_checkpoint(self, ev: Event) -> None:
+        self.trainer_busy = False
+        _, directory, state = self._checkpointing.pop(ev.future.key)
+        if ev.future.status != "finished":
+            raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
+        self._finish_checkpoint(directory, state)
+
+    def _finish_checkpoint(self, directory: Path, state: dict) -> None:
+        checkpoints.write_json_atomic(directory / checkpoints.DRIVER_STATE, state)
+        checkpoints.prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
+        logger.info("checkpoint at policy version %d: %s", state["version"], directory)
+
+    def checkpoint_now(self) -> Path:
+        """A checkpoint of the current version, written before returning (a graceful stop)."""
+        directory = checkpoints.step_dir(self.run_dir, self.version)
+        self.trainer.checkpoint(str(directory), self.version).result()
+        self._finish_checkpoint(directory, self.driver_state())
+        return directory
+
+    def driver_state(self) -> dict:
+        """What the driver needs to continue a run exactly: the env-task sampler, the
+        trajectory ids, the training time so far."""
+        return {"version": self.version, "draw": self.draw.state(),
+                "next_trajectory": self.driver._next_id,
+                "next_eval_trajectory": self.driver._next_eval_id,
+                "elapsed_s": self.elapsed_s}
+
+    def _restore_driver(self, state: dict) -> None:
+        self.draw.restore(state["draw"])
+        self.driver._next_id = int(state["next_trajectory"])
+        self.driver._next_eval_id = int(state["next_eval_trajectory"])
+        self._elapsed_before = float(state["elapsed_s"])
 
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1

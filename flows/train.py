@@ -17,6 +17,9 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
     # embedded default: local cluster, one worker per pool, dashboard on :8787, the RollArc
     # page on :8787/individual-rollarc, rollarc_* series on :8787/metrics
     python flows/train.py
+    # a checkpoint every 20 steps; after a crash, Ctrl-C or SIGTERM, continue the same run
+    python flows/train.py trainer.checkpoint_every=20 --run-dir runs/long
+    python flows/train.py --resume runs/long
     # metrics to TensorBoard too, and 2 sampled trajectories per step as text
     python flows/train.py "metrics.sinks=[jsonl,tensorboard]" --dump-trajectories 2
     # baselines and short runs
@@ -32,11 +35,14 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
 
+from flows import checkpoints
 from flows.api import run_training
 from flows.config import ConfigError, load_config
 from flows.launch import RewardServiceError
@@ -50,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
     p.add_argument("--scheduler", default=None, help="tcp://HOST:PORT of a running scheduler")
     p.add_argument("--run-dir", default=None, help="Run directory (default: runs/<run-id>)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="Continue RUN_DIR (its config.yaml) from its newest checkpoint to its "
+                        "trainer.max_steps (checkpoints: trainer.checkpoint_every)")
     p.add_argument("--dump-trajectories", type=int, default=None, metavar="N",
                    help="Write N sampled trajectories per train step to trajectories.txt "
                         "(metrics.dump_trajectories)")
@@ -57,19 +66,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def resume_overrides(run_dir: Path) -> tuple[Path, list[str], int]:
+    """--resume: the run's config file, the override that resumes from its newest checkpoint,
+    and that checkpoint's version. Raises ConfigError naming what is missing."""
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume: {run_dir} has no config.yaml (not a run directory)")
+    newest = checkpoints.latest(run_dir)
+    if newest is None:
+        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} "
+                          "(runs write them with trainer.checkpoint_every=N)")
+    version = json.loads((newest / checkpoints.DRIVER_STATE).read_text())["version"]
+    return (run_dir / "config.yaml",
+            [f"trainer.resume_from={newest / checkpoints.TRAINER_STATE}"], version)
+
+
+def _terminate(signum, frame) -> None:  # SIGTERM stops the run as Ctrl-C does
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         dump = ([] if args.dump_trajectories is None
                 else [f"metrics.dump_trajectories={args.dump_trajectories}"])
-        cfg = load_config(args.config, [*args.overrides, *dump])
+        config, resume, resumed_version = args.config, [], None
+        if args.resume:
+            if args.config or args.run_dir:
+                raise ConfigError("--resume: the run directory gives the config and the run "
+                                  "directory; drop --config and --run-dir")
+            config, resume, resumed_version = resume_overrides(Path(args.resume))
+        cfg = load_config(config, [*args.overrides, *dump, *resume])
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("distributed", "tornado", "bokeh"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(args.resume or args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if resumed_version is not None:  # metrics.jsonl continues from the checkpoint's step
+        dropped = checkpoints.truncate_metrics(run_dir, resumed_version)
+        print(f"resuming {run_dir} at policy version {resumed_version} ({dropped} metric rows "
+              "after it dropped)", flush=True)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = run_training(cfg, run_dir, scheduler=args.scheduler,
                                dashboard=lambda line: print(line, flush=True))

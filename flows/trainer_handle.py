@@ -62,6 +62,11 @@ class TrainerHandle:
                                    resources=demand(Stage.LOAD_WEIGHTS, tag))
                 for i, (w, tag) in enumerate(self.inference_workers.items())]
 
+    def checkpoint(self, directory: str, version: int) -> Future:
+        """A resumable checkpoint of ``version`` (and its policy) written into ``directory``."""
+        return self._on_trainer(Stage.SAVE_CHECKPOINT, self.stages.save_checkpoint, directory,
+                                key=f"checkpoint-{version}")
+
     def resume(self, checkpoint: str) -> int:
         """Restore the trainer from a checkpoint; the version it resumes at."""
         return self._on_trainer(Stage.TRAIN_STEP, self.stages.load_checkpoint, checkpoint,

@@ -308,3 +308,61 @@ def test_ctrl_c_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
     assert t["dropped"].get("interrupted", 0) > 0
     assert t["started"] == t["trained"] + sum(t["dropped"].values())
     assert summary["live_env_instances_at_end"] == 0
+
+
+def test_sigterm_checkpoints_and_resume_continues_the_same_run(tmp_path):
+    """SIGTERM stops gracefully with a checkpoint of the last trained step; --resume RUN_DIR
+    continues from it, and metrics.jsonl goes on without duplicated or missing steps."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir),
+                             "trainer.max_steps=500", "trainer.checkpoint_every=1000",
+                             "trainer.groups_per_step=2", "metrics.progress=false",
+                             "cluster.dashboard_port=0", "eval.every_steps=0"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(read_metrics(run_dir) if (
+                run_dir / "metrics.jsonl").exists() else []) < 2:
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    saved = sorted((run_dir / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and (saved[0] / "driver.json").is_file()
+    version = json.loads((saved[0] / "driver.json").read_text())["version"]
+    assert version >= 2
+    state = torch.load(saved[0] / "checkpoint.pt", weights_only=True)
+    assert state["version"] == version
+    # the metrics end at the checkpoint's step: the trainer and the rows agree
+    assert read_metrics(run_dir)[-1]["train/step"] == version
+
+    proc = subprocess.run([sys.executable, TRAIN, "--resume", str(run_dir),
+                           f"trainer.max_steps={version + 2}", "trainer.checkpoint_every=1",
+                           "trainer.keep_checkpoints=1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"resuming {run_dir} at policy version {version}" in proc.stdout
+    steps = [m["train/step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, version + 3))
+    elapsed = [m["perf/elapsed_s"] for m in read_metrics(run_dir)]
+    assert elapsed == sorted(elapsed)  # the training clock continues
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["policy_version"] == version + 2 and summary["status"] == "finished"
+    # keep_checkpoints=1: only the newest periodic checkpoint is left
+    assert [d.name for d in (run_dir / "checkpoints").glob("step-*")] == [
+        f"step-{version + 1:06d}"]
+
+
+def test_resume_without_a_checkpoint_is_a_config_error(tmp_path):
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    for args, said in ((["--resume", str(tmp_path)], "no complete checkpoint"),
+                       (["--resume", str(tmp_path / "nowhere")], "no config.yaml"),
+                       (["--resume", str(tmp_path), "--config", "x.yaml"], "drop --config")):
+        proc = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1

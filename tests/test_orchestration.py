@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import random
+
 import numpy as np
 import pytest
 
 from flows.orchestration import (
     AdmissionState,
     GroupCollector,
+    GroupDraw,
     Router,
     admission_room,
     groups_to_cut,
@@ -147,3 +151,16 @@ def test_length_aware_dispatch_keeps_short_turns_on_fast_gpus_and_splits_long_on
     lengths.record("a", 10)
     lengths.record("a", 30)
     assert lengths.expected("a") == 20
+
+
+def test_group_draw_state_round_trips_through_json():
+    from flows.config import load_config
+
+    tasks = load_config().env_tasks
+    a = GroupDraw(tasks, random.Random(3))
+    a.take(20)  # leaves a drawn env task waiting for room
+    state = json.loads(json.dumps(a.state()))
+    b = GroupDraw(tasks, random.Random(99))
+    b.restore(state)
+    assert [(g, t.name, s) for g, t, s in a.take(40)] == [(g, t.name, s) for g, t, s in
+                                                          b.take(40)]
