@@ -281,25 +281,35 @@ def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, con
     assert summary["evaluation"]["episodes_started"] == 2 * len(names)
 
 
+def _signal_after_steps(run_dir, args, sig, steps: int):
+    """Start train.py, send ``sig`` once ``steps`` train steps are in metrics.jsonl; the
+    finished process and its output."""
+    proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir), *args,
+                             "metrics.progress=false", "cluster.dashboard_port=0"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = run_dir / "metrics.jsonl"
+
+    def trained() -> int:  # complete lines only: the run may be writing one
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []
+        return sum('"train/step"' in line for line in lines)
+
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and trained() < steps:
+            time.sleep(0.5)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, out, err
+
+
 def test_ctrl_c_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
     """SIGINT mid-run: the work in flight is cancelled, environments closed, the summary
     written with the interrupted trajectories counted, exit code 130, no hang."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir),
-                             "trainer.max_steps=500", "metrics.progress=false",
-                             "cluster.dashboard_port=0"], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
-            time.sleep(0.5)
-        while time.time() < deadline and not (run_dir / "metrics.jsonl").read_text():
-            time.sleep(0.5)  # at least one step trained
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = _signal_after_steps(run_dir, ["trainer.max_steps=500"], signal.SIGINT, 1)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert "interrupted" in err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -314,21 +324,9 @@ def test_sigterm_checkpoints_and_resume_continues_the_same_run(tmp_path):
     """SIGTERM stops gracefully with a checkpoint of the last trained step; --resume RUN_DIR
     continues from it, and metrics.jsonl goes on without duplicated or missing steps."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir),
-                             "trainer.max_steps=500", "trainer.checkpoint_every=1000",
-                             "trainer.groups_per_step=2", "metrics.progress=false",
-                             "cluster.dashboard_port=0", "eval.every_steps=0"], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and len(read_metrics(run_dir) if (
-                run_dir / "metrics.jsonl").exists() else []) < 2:
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = _signal_after_steps(
+        run_dir, ["trainer.max_steps=500", "trainer.checkpoint_every=1000",
+                  "trainer.groups_per_step=2", "eval.every_steps=0"], signal.SIGTERM, 2)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
