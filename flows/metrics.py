@@ -108,11 +108,9 @@ class NullSink:
         pass
 
 
-def _step_of(metrics: dict) -> tuple[str, int]:
-    """(``train`` | ``eval``, step) of a row."""
-    if "eval/step" in metrics:
-        return "eval", int(metrics["eval/step"])
-    return "train", int(metrics.get("train/step", 0))
+def _step_of(metrics: dict) -> int:
+    """The step of a row: ``eval/step`` for an evaluation, else ``train/step``."""
+    return int(metrics.get("eval/step", metrics.get("train/step", 0)))
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
@@ -122,7 +120,7 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 class TensorBoardSink:
     """Scalars under ``<run_dir>/tensorboard``, one point per train step (evaluation rows at
-    the step they evaluated), wall time from the run's clock."""
+    the step they evaluated)."""
 
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -130,7 +128,7 @@ class TensorBoardSink:
         self._w = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, metrics: dict) -> None:
-        _, step = _step_of(metrics)
+        step = _step_of(metrics)
         for key, value in _scalars(metrics).items():
             self._w.add_scalar(key, value, global_step=step)
         self._w.flush()
