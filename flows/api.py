@@ -37,7 +37,14 @@ from pathlib import Path
 
 from distributed import performance_report
 
-from flows.config import TrainConfig, load_config, resolved_yaml, validate, with_overrides
+from flows.config import (
+    ConfigError,
+    TrainConfig,
+    load_config,
+    resolved_yaml,
+    validate,
+    with_overrides,
+)
 from flows.dump import TrajectoryDump
 from flows.launch import close_quietly, make_cluster, start_reward_service
 from flows.lifecycle import DropReason, TrajectoryLedger, Transition
@@ -359,6 +366,20 @@ class Run:
             self._stop(RunStatus.FAILED)
 
 
+def check_run_dir(run_dir: str | Path) -> None:
+    """The run directory can be created and written, or a ConfigError naming it (raised
+    before any cluster or service starts)."""
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".rollarc-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--run-dir: {str(path)!r} is not a writable directory: "
+                          f"{exc.strerror or exc}") from None
+
+
 def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None = None,
                  stages: Stages | None = None, progress: bool | None = None,
                  on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
@@ -373,6 +394,7 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     """
     cfg = validate(cfg)
     check_sinks(cfg.metrics)
+    check_run_dir(run_dir)
     emulator = start_reward_service(cfg)
     session = None
     try:

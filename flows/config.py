@@ -542,6 +542,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {str(path)!r}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config: {str(path)!r} is a directory, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"--config: {str(path)!r} cannot be read: {reason}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
     _apply_overrides(data, overrides or [])

@@ -187,3 +187,19 @@ def test_cli_bad_config_exits_2_with_one_line(arg, key, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert key in lines[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--config", "{tmp}"], "is a directory"),
+    (["--run-dir", "/proc/rollarc-run"], "--run-dir"),
+    (["--run-dir", "{tmp}/afile/run"], "--run-dir"),
+    (["--dump-trajectories", "-1"], "metrics.dump_trajectories"),
+])
+def test_cli_unusable_paths_exit_2_with_one_line(args, said, tmp_path):
+    (tmp_path / "afile").write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "flows" / "train.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in proc.stderr
