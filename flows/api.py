@@ -203,8 +203,8 @@ class Run:
         resolved = resolved_yaml(cfg)
         (self.run_dir / "config.yaml").write_text(resolved)
         logger.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", resolved)
-        self.sink = make_sinks(cfg.metrics, self.run_dir, json.loads(json.dumps(
-            cfg.model_dump(mode="json", fallback=str))))
+        self.sink = make_sinks(cfg.metrics, self.run_dir,
+                               cfg.model_dump(mode="json", fallback=str))
         self.sink.add(self.rows)
         try:
             if reward_service is None and cfg.reward.backend == "lambda":

@@ -41,18 +41,16 @@ class EventLoop:
     def __init__(self, client: Client):
         self.client = client
         self._ac = as_completed(raise_errors=False)
-        self._kinds: dict[str, FutureKind] = {}
-        self._pending: dict[str, Future] = {}
+        self._tracked: dict[str, tuple[FutureKind, Future]] = {}  # by key, until handed out
 
     def track(self, fut: Future, kind: FutureKind) -> Future:
-        self._kinds[fut.key] = kind
-        self._pending[fut.key] = fut
+        self._tracked[fut.key] = (kind, fut)
         self._ac.add(fut)
         return fut
 
     def pending(self) -> list[Future]:
         """The futures tracked and not yet handed out by :meth:`next_batch`."""
-        return list(self._pending.values())
+        return [fut for _, fut in self._tracked.values()]
 
     def empty(self) -> bool:
         return self._ac.is_empty()
@@ -61,9 +59,7 @@ class EventLoop:
         """Block until at least one future finished; every finished one, with its result."""
         batch = self._ac.next_batch(block=True)
         results = self._gather(batch)
-        for f in batch:
-            self._pending.pop(f.key, None)
-        return [Event(self._kinds.pop(f.key), f, results.get(f.key)) for f in batch]
+        return [Event(self._tracked.pop(f.key)[0], f, results.get(f.key)) for f in batch]
 
     def _gather(self, batch: list[Future]) -> dict:
         done = [f for f in batch if f.status == "finished"]

@@ -101,7 +101,6 @@ class TrainingRun:
         self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans)
         self.evaluator = Evaluator(cfg.env_tasks, cfg.eval.every_steps, cfg.eval.episodes,
                                    cfg.trainer.max_steps)
-        self.trainer_busy = False
         self.loads_pending = 0
         # monolithic on emulated devices: training time-shares the engines' GPUs
         self.colocated_device = None
@@ -170,6 +169,11 @@ class TrainingRun:
             self.worker_versions[w] = f.result()
 
     @property
+    def trainer_busy(self) -> bool:
+        """A train step or a checkpoint is running on the trainer (no new step starts)."""
+        return self._train_future is not None or bool(self._checkpointing)
+
+    @property
     def elapsed_s(self) -> float:
         """Training wall time: from the first :meth:`train` call, pauses between calls not
         counted."""
@@ -236,7 +240,6 @@ class TrainingRun:
             except Exception as exc:  # cancelled before it started, failed, or too slow
                 logger.warning("the train step in flight did not finish: %s", exc)
             self._train_future = None
-            self.trainer_busy = False
         for fut, directory, state in self._checkpointing.values():  # let a periodic one land
             try:
                 fut.result(timeout=TRAIN_STEP_GRACE_S)
@@ -321,7 +324,6 @@ class TrainingRun:
         self.staleness_hist.update(d.staleness)
         for callback in self.batch_callbacks:
             callback(self.version + 1, d.trajectories)  # as train/step will name it
-        self.trainer_busy = True
         self.train_submitted_at = time.perf_counter()
         self.batch_info = batch_metrics(d.trajectories, d.staleness, len(d.stale))
 
@@ -354,7 +356,6 @@ class TrainingRun:
             self._group_lost_member(t.group_id)
 
     def _on_train(self, ev: Event, progress: ProgressLine) -> None:
-        self.trainer_busy = False
         self._train_future = None
         if ev.future.status != "finished":  # a trainer failure ends the run loudly
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
@@ -393,10 +394,8 @@ class TrainingRun:
         fut = self.trainer.checkpoint(str(directory), self.version)
         self._checkpointing[fut.key] = (fut, directory, self.driver_state())
         self.events.track(fut, FutureKind.CHECKPOINT)
-        self.trainer_busy = True
 
     def _on_checkpoint(self, ev: Event) -> None:
-        self.trainer_busy = False
         _, directory, state = self._checkpointing.pop(ev.future.key)
         if ev.future.status != "finished":
             raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
