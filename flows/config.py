@@ -556,7 +556,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _apply_overrides(data: dict, overrides) -> None:
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"{item}: overrides are written key=value")
+            raise ConfigError(f"{item!r}: overrides are written key=value")
         key, _, raw = item.partition("=")
         apply_override(data, key.strip(), _parse_value(raw))
 
