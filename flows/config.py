@@ -150,7 +150,12 @@ class RolloutConfig(_Strict):
         description="Async: groups admitted beyond the window, so a batch is cut from the groups "
                     "that finish first instead of waiting for the last straggler")
     max_in_flight: int = Field(default=96, ge=1, description="Trajectories rolling out at once")
-    max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure")
+    max_attempts: int = Field(default=2, ge=1, description="Attempts per trajectory on failure "
+                              "(a task error, a lost worker, a turn past turn_timeout_s)")
+    turn_timeout_s: float | None = Field(
+        default=300, gt=0, description="Watchdog: a turn (prefill, decode, env step) not "
+        "answered within this many seconds is abandoned, the environment or stage that stopped "
+        "answering named in the log, and the trajectory restarted or dropped (null: no limit)")
     cohort_max: int = Field(
         default=64, ge=1, description="Turns ready at once on the same workers go as one task "
         "per stage, this many trajectories at most (1: a task per trajectory and turn)")
@@ -305,6 +310,9 @@ class ClusterConfig(_Strict):
     dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
     processes: bool = Field(default=True, description="Workers in separate processes (Nanny)")
     startup_timeout_s: float = Field(default=120, gt=0, description="Wait for workers")
+    pool_empty_timeout_s: float = Field(
+        default=300, gt=0, description="A pool (resource tag) left without any worker this long "
+        "stops the run with a checkpoint (when the trainer is alive) instead of waiting on")
 
 
 class AffinityConfig(_Strict):

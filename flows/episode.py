@@ -38,6 +38,7 @@ class RolloutRecord:
     prefill_worker: str | None = None
     # the last turn's decode output (the cache so far): (its cohort's future, the index in it)
     last_decode: Any = None
+    kv_worker: str | None = None  # the worker holding ``last_decode`` (the cache)
     next_obs: Any = None  # the observation the next turn reads (None: reset first)
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
@@ -57,7 +58,7 @@ class RolloutRecord:
 
     def reset_record(self) -> None:
         self.turn = 0
-        self.last_decode = None
+        self.last_decode = self.kv_worker = None
         self.next_obs = None
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None

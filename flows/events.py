@@ -8,6 +8,7 @@ a failed or lost future comes back with no result and its own status, for its ha
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from distributed import Client, Future, as_completed
 
 logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a waiting driver looks at its wake-up conditions
 
 
 class FutureKind(Enum):
@@ -55,9 +58,17 @@ class EventLoop:
     def empty(self) -> bool:
         return self._ac.is_empty()
 
-    def next_batch(self) -> list[Event]:
-        """Block until at least one future finished; every finished one, with its result."""
-        batch = self._ac.next_batch(block=True)
+    def next_batch(self, wake: Callable[[], bool] | None = None,
+                   poll_s: float = POLL_S) -> list[Event]:
+        """Every finished future, with its result: wait until at least one finished, or until
+        ``wake()`` is true (checked every ``poll_s``; then the batch may be empty), so that the
+        driver sees workers come and go and its watchdogs fire even while nothing finishes."""
+        while True:
+            batch = self._ac.next_batch(block=False)
+            if batch or (wake is not None and wake()) or self._ac.is_empty():
+                break
+            with self._ac.thread_condition:
+                self._ac.thread_condition.wait(timeout=poll_s)
         results = self._gather(batch)
         return [Event(self._tracked.pop(f.key)[0], f, results.get(f.key)) for f in batch]
 

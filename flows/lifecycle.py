@@ -2,9 +2,9 @@
 
 ::
 
-    admitted -> rolling_out -> awaiting_score -> scoring -> in_group -> trained
-        |           |  ^ (restart)    |              |          |
-        +-----------+--+--------------+--------------+----------+--> dropped(reason)
+    admitted -> rolling_out -> awaiting_score -> scoring -> in_group -> training -> trained
+        |           |  ^ (restart)    |  ^ (re-sent) |          |           |
+        +-----------+--+--------------+--+-----------+----------+-----------+--> dropped(reason)
                     +-> evaluated            (evaluation episodes: reported, never trained)
 
 :class:`TrajectoryLedger` is the only writer of a trajectory's state and of the counters that
@@ -28,6 +28,7 @@ class TrajState(StrEnum):
     AWAITING_SCORE = "awaiting_score"
     SCORING = "scoring"
     IN_GROUP = "in_group"
+    TRAINING = "training"  # in a batch whose train step is running
     TRAINED = "trained"
     EVALUATED = "evaluated"
     DROPPED = "dropped"
@@ -41,6 +42,9 @@ class DropReason(StrEnum):
     RUN_ENDED = "run_ended"  # the run ended first (trainer.max_steps reached, or closed)
     INTERRUPTED = "interrupted"  # the run was interrupted (Ctrl-C, a notebook's interrupt)
     ROLLOUT_ERROR = "rollout_error"  # a turn's task failed on every attempt (worker lost, ...)
+    WORKER_LOST = "worker_lost"  # a worker it needed left the cluster, on its last attempt
+    TURN_TIMEOUT = "turn_timeout"  # a turn did not answer within rollout.turn_timeout_s
+    TRAINER_LOST = "trainer_lost"  # its train step was lost with the trainer's worker
     REWARD_TASK_ERROR = "reward_task_error"  # the score task itself raised
     REWARD_TASK_LOST = "reward_task_lost"  # the score task's result was lost with its worker
     REWARD_FUNCTION_ERROR = "reward_function_error"  # the function raised, retries spent
@@ -68,8 +72,10 @@ EDGES: dict[TrajState, frozenset[TrajState]] = {
     S.ADMITTED: frozenset({S.ROLLING_OUT, S.DROPPED}),
     S.ROLLING_OUT: frozenset({S.ROLLING_OUT, S.AWAITING_SCORE, S.EVALUATED, S.DROPPED}),
     S.AWAITING_SCORE: frozenset({S.SCORING, S.DROPPED}),
-    S.SCORING: frozenset({S.IN_GROUP, S.DROPPED}),
-    S.IN_GROUP: frozenset({S.TRAINED, S.DROPPED}),
+    # back to awaiting_score: its score task was lost with its worker and is sent again
+    S.SCORING: frozenset({S.IN_GROUP, S.AWAITING_SCORE, S.DROPPED}),
+    S.IN_GROUP: frozenset({S.TRAINING, S.DROPPED}),
+    S.TRAINING: frozenset({S.TRAINED, S.DROPPED}),
 }
 
 
@@ -209,8 +215,8 @@ class TrajectoryLedger:
 
     @property
     def unconsumed(self) -> int:
-        """Training trajectories admitted and neither trained nor dropped."""
-        return self.training.in_flight
+        """Training trajectories admitted and not yet in a train step, trained or dropped."""
+        return self.training.in_flight - self.training.in_state[S.TRAINING]
 
     def summary(self) -> dict:
         t, e = self.training, self.evaluation

@@ -193,11 +193,31 @@ class Router:
             return prefer
         return min(pool, key=lambda w: (self.load[w], w))
 
+    def has(self, tag: str) -> bool:
+        return bool(self.workers_by_tag.get(tag))
+
+    def add(self, worker: str, tags: list[str]) -> None:
+        """A worker joined (or came back): it takes work of ``tags`` from now on."""
+        for tag in tags:
+            pool = self.workers_by_tag.setdefault(tag, [])
+            if worker not in pool:
+                pool.append(worker)
+                pool.sort()
+
+    def remove(self, worker: str) -> list[str]:
+        """A worker left: no more work goes to it. The tags it served."""
+        served = [tag for tag, pool in self.workers_by_tag.items() if worker in pool]
+        for tag in served:
+            self.workers_by_tag[tag].remove(worker)
+        self.load.pop(worker, None)
+        return served
+
     def started(self, worker: str) -> None:
         self.load[worker] += 1
 
     def finished(self, worker: str) -> None:
-        self.load[worker] -= 1
+        if worker in self.load:  # a removed worker's count is gone with it
+            self.load[worker] -= 1
 
 
 def sample_env_task(weights: list[float], rng: random.Random) -> int:

@@ -25,6 +25,8 @@ from resources.worker import with_reward_client
 from tasks.records import InvocationRecord, ScoreBatch, Trajectory
 from tasks.stages import Stages
 
+MAX_RESENDS = 2  # a trajectory whose score task was lost this many times more is dropped
+
 
 class RewardServiceFailing(RunFailing):
     pass
@@ -85,7 +87,9 @@ class RewardDispatcher:
         self.max_failure_streak = 4 * batch_trajectories
         self.score_tasks = 0
         self._pending: list[Trajectory] = []
-        self._scoring: dict[str, list[Trajectory]] = {}
+        self._scoring: dict[str, tuple[list[Trajectory], str, Future]] = {}  # batch, worker
+        self._lost_keys: set[str] = set()  # score tasks whose worker left: re-sent
+        self._resent: Counter[str] = Counter()  # by trajectory id
 
     def queue(self, traj: Trajectory) -> None:
         """A finished training trajectory (awaiting_score) waits for the next flush."""
@@ -101,15 +105,18 @@ class RewardDispatcher:
         for function, trajs in by_function.items():
             for i in range(0, len(trajs), self.score_task_max):
                 batch = trajs[i: i + self.score_task_max]
+                if not self.router.has(str(Tag.SERVERLESS)):  # waits for a worker to join
+                    self._pending.extend(batch)
+                    continue
+                worker = self.router.choose(Tag.SERVERLESS)
                 with self.spans("reward", function):
                     fut = self.client.submit(
                         with_reward_client, self.stages.score, function,
                         score_requests(batch, self.reward_fns, self.run_id),
-                        key=f"{Stage.SCORE}-{self.score_tasks}",
-                        workers=[self.router.choose(Tag.SERVERLESS)], pure=False,
-                        resources=demand(Stage.SCORE))
+                        key=f"{Stage.SCORE}-{self.score_tasks}", workers=[worker],
+                        pure=False, resources=demand(Stage.SCORE))
                 self.score_tasks += 1
-                self._scoring[fut.key] = batch
+                self._scoring[fut.key] = (batch, worker, fut)
                 for t in batch:
                     self.ledger.transition(int(t.traj_id), TrajState.SCORING)
                 futures.append(fut)
@@ -117,7 +124,21 @@ class RewardDispatcher:
 
     def on_scored(self, fut: Future, result: ScoreBatch | None) -> ScoreOutcome:
         """A score task ended: set each trajectory's reward, or drop it with the reason."""
-        batch = self._scoring.pop(fut.key)
+        batch, _, _ = self._scoring.pop(fut.key)
+        out = ScoreOutcome([], [])
+        if fut.key in self._lost_keys:  # its worker left: scored by a new task, or dropped
+            self._lost_keys.discard(fut.key)
+            for traj in batch:
+                tid = int(traj.traj_id)
+                self._resent[traj.traj_id] += 1
+                if self._resent[traj.traj_id] > MAX_RESENDS:
+                    self.ledger.drop(tid, DropReason.REWARD_TASK_LOST, "its worker left, "
+                                     f"{MAX_RESENDS} times")
+                    out.dropped.append(traj)
+                else:
+                    self.ledger.transition(tid, TrajState.AWAITING_SCORE)
+                    self._pending.append(traj)
+            return out
         if fut.status == "error":
             results = [None] * len(batch)
             err = f"{DropReason.REWARD_TASK_ERROR}: {fut.exception()!r}"
@@ -126,7 +147,6 @@ class RewardDispatcher:
         else:
             self.stats.add(result)
             results, err = result.results, None
-        out = ScoreOutcome([], [])
         for traj, res in zip(batch, results, strict=True):
             tid = int(traj.traj_id)
             if res is None or res.score is None:
@@ -144,6 +164,15 @@ class RewardDispatcher:
                 self.ledger.transition(tid, TrajState.IN_GROUP)
                 out.scored.append(traj)
         return out
+
+    def worker_lost(self, worker: str) -> list[Future]:
+        """``worker`` left: its score tasks (returned, for the caller to cancel) are sent
+        again when they come back. Scoring is stateless and the reward functions idempotent,
+        so a burst the lost worker may have sent already is scored again, and set once."""
+        lost = [fut for key, (_, w, fut) in self._scoring.items()
+                if w == worker and key not in self._lost_keys]
+        self._lost_keys.update(f.key for f in lost)
+        return lost
 
     def metrics(self) -> dict:
         r = self.stats.summary()

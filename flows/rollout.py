@@ -56,6 +56,10 @@ class _Cohort:
     traj_ids: list[int]
     suffix: str  # of its tasks' keys
     submitted: float  # wall clock
+    step: Future  # its env_step: what the driver waits on
+    decode: Future
+    workers: frozenset[str]  # every worker it runs on or reads a cache from
+    env_task: str
 
 
 MIXED_SPAN = "mixed"  # the span of a cohort holding several env tasks
@@ -103,6 +107,9 @@ class RolloutDriver:
         self._stopping = False
         self.error_streak = 0
         self._closing: list[Future] = []
+        # cohorts the driver gave up on (a worker lost, a turn past rollout.turn_timeout_s):
+        # env_step key -> (reason, detail), read when the cancelled future comes back
+        self._abandoned: dict[str, tuple[DropReason, str]] = {}
         # per turn: its tasks' key suffix, (submitted, answered) wall-clock times, the emulated
         # waits within, and "trajectory-attempt": the benchmark subtracts the tasks' compute
         # intervals to get the orchestration overhead
@@ -143,10 +150,14 @@ class RolloutDriver:
     def _restart(self, rec: RolloutRecord) -> None:
         """From a fresh environment: a reset, then the first turn."""
         self.ledger.transition(rec.traj_id, TrajState.ROLLING_OUT)
-        rec.env_worker = self.router.choose(Tag.CPU_ENV)
-        rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
-        rec.next_obs = None
+        rec.env_worker = rec.handle = rec.next_obs = None  # placed when submitted
         self._ready.append(rec)
+
+    def _placeable(self, rec: RolloutRecord) -> bool:
+        """Every pool the turn needs has a worker (else it waits for one to join)."""
+        need = [Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH] + ([Tag.CPU_ENV] if rec.handle is None
+                                                       else [])
+        return all(self.router.has(str(t)) for t in need)
 
     def flush(self) -> list[Future]:
         """Submit every ready turn, as cohorts of trajectories that share their workers; the
@@ -154,6 +165,13 @@ class RolloutDriver:
         ready, self._ready = self._ready, []
         groups: dict[tuple, list[tuple[RolloutRecord, TurnShape | None]]] = {}
         for rec in ready:
+            if not self._placeable(rec):
+                self._ready.append(rec)
+                continue
+            if rec.handle is None:  # a fresh environment, on the least-loaded CPU worker
+                rec.env_worker = self.router.choose(Tag.CPU_ENV)
+                rec.handle = EnvHandle(rec.env_worker,
+                                       f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
             shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
                                rec.attempt)
             rec.last_shape = shape
@@ -208,10 +226,59 @@ class RolloutDriver:
         step = self._submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
                             observations, dec, worker=env_w, key=f"env_step-{suffix}",
                             env_task=env_task)
+        # the workers holding the members' caches so far are needed too
+        workers = {env_w, pre_w, dec_w} | {r.kv_worker for r in recs if r.kv_worker}
         for i, r in enumerate(recs):
             r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
-        self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time())
+            r.kv_worker = dec_w
+        self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time(), step,
+                                          dec, frozenset(workers), env_task)
         return step
+
+    # -- faults -----------------------------------------------------------------------------
+    def worker_lost(self, worker: str) -> tuple[list[Future], TurnOutcome]:
+        """``worker`` left the cluster: the cohorts that needed it are abandoned (their
+        futures, returned, are for the caller to cancel; their members restart or drop when
+        they come back), and the waiting trajectories whose environment or cache lived there
+        restart now (or drop, in the outcome)."""
+        detail = f"{DropReason.WORKER_LOST}: {worker}"
+        lost = []
+        for key, cohort in self._cohorts.items():
+            if worker in cohort.workers and key not in self._abandoned:
+                self._abandoned[key] = (DropReason.WORKER_LOST, detail)
+                lost.append(cohort.step)
+        out = TurnOutcome()
+        waiting, self._ready = self._ready, []
+        held, self._held = self._held, []
+        for recs, keep in ((waiting, self._ready), (held, self._held)):
+            for rec in recs:
+                if rec.handle is not None and worker in (rec.env_worker, rec.kv_worker):
+                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
+                else:
+                    keep.append(rec)
+        return lost, out
+
+    def overdue(self, timeout_s: float | None) -> list[Future]:
+        """The cohorts whose turn has not answered within ``timeout_s`` (the watchdog): each
+        is abandoned with a warning naming the environment or stage that stopped answering;
+        their futures are for the caller to cancel."""
+        if not timeout_s:
+            return []
+        now, late = time.time(), []
+        for key, cohort in self._cohorts.items():
+            if key in self._abandoned or now - cohort.submitted < timeout_s:
+                continue
+            env_w = next(iter(self.live[t].env_worker for t in cohort.traj_ids))
+            if cohort.decode.status == "finished":
+                where = (f"environment {cohort.env_task} on {env_w} (instances "
+                         f"{[self.live[t].handle.instance_id for t in cohort.traj_ids][:4]})")
+            else:
+                where = f"prefill/decode of {cohort.env_task} (env_step-{cohort.suffix})"
+            logger.warning("watchdog: %s did not answer within %.0f s", where, timeout_s)
+            self._abandoned[key] = (DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: "
+                                    f"{where} did not answer within {timeout_s:.0f} s")
+            late.append(cohort.step)
+        return late
 
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
@@ -246,7 +313,11 @@ class RolloutDriver:
         :class:`tasks.cohort.MemberError` (None: the whole cohort failed or was lost)."""
         cohort = self._cohorts.pop(fut.key)
         now = time.time()
-        if results is None:
+        reason = DropReason.ROLLOUT_ERROR
+        if fut.key in self._abandoned:  # given up on: whatever came back is not used
+            reason, detail = self._abandoned.pop(fut.key)
+            results = [MemberError(detail)] * len(cohort.traj_ids)
+        elif results is None:
             exc = fut.exception() if fut.status == "error" else RuntimeError(
                 f"{fut.status}: result lost")
             results = [MemberError.of(exc)] * len(cohort.traj_ids)
@@ -255,7 +326,7 @@ class RolloutDriver:
             rec = self.live[tid]
             self._release(rec)
             if isinstance(res, MemberError):
-                self._member_failed(rec, res.error, out)
+                self._member_failed(rec, res.error, out, reason)
             else:
                 self._log_turn(rec, res, cohort, now)
                 self._member_stepped(rec, res, out)
@@ -305,12 +376,15 @@ class RolloutDriver:
             self._ready.extend(self._held)
             self._held = []
 
-    def _member_failed(self, rec: RolloutRecord, error: str, out: TurnOutcome) -> None:
-        """A turn failed (worker lost, task error). Restart the trajectory from a fresh
-        environment while attempts remain, else drop it with the reason."""
+    def _member_failed(self, rec: RolloutRecord, error: str, out: TurnOutcome,
+                       reason: DropReason = DropReason.ROLLOUT_ERROR) -> None:
+        """A turn failed (task error, worker lost, timed out). Restart the trajectory from a
+        fresh environment while attempts remain, else drop it with ``reason``."""
         logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, error)
         self.close_env(rec)
-        self.error_streak += 1
+        # a lost worker fails many turns at once without anything being wrong with them
+        if reason is not DropReason.WORKER_LOST:
+            self.error_streak += 1
         if self.error_streak >= self.max_error_streak:
             # every turn failing (an environment that cannot start, ...) would spin the run
             raise RolloutFailing(f"the last {self.error_streak} turns failed, the last with "
@@ -321,7 +395,7 @@ class RolloutDriver:
             rec.reset_record()
             self._restart(rec)
             return
-        self._drop(rec, DropReason.ROLLOUT_ERROR, error[:200])
+        self._drop(rec, reason, error[:200])
         out.dropped.append(rec)
 
     def _drop(self, rec: RolloutRecord, reason: DropReason, detail: str = "") -> None:
@@ -330,8 +404,9 @@ class RolloutDriver:
 
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
-        if rec.handle is None:
-            return None
+        if rec.handle is None or rec.handle.worker not in self.router.workers_by_tag.get(
+                str(Tag.CPU_ENV), []):
+            return None  # never placed, or lost with its worker
         fut = self._submit(Stage.ENV_CLOSE, with_registry, self.stages.env_close, rec.handle,
                            worker=rec.handle.worker, env_task=rec.env_task.name,
                            key=f"env_close-{rec.traj_id}-{rec.turn}-{rec.attempt}")

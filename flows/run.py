@@ -26,7 +26,7 @@ from flows.config import TrainConfig, reward_callables
 from flows.dispatch import Dispatch
 from flows.evaluation import Evaluator
 from flows.events import Event, EventLoop, FutureKind
-from flows.lifecycle import DropReason, TrajectoryLedger, TrajState, Transition
+from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
 from flows.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
 from flows.monitor import StageSpans
 from flows.orchestration import (
@@ -38,12 +38,13 @@ from flows.orchestration import (
     groups_to_cut,
 )
 from flows.reward_dispatch import RewardDispatcher
-from flows.rollout import RolloutDriver
+from flows.rollout import RolloutDriver, TurnOutcome
 from flows.trainer_handle import TrainerHandle
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
 from resources.device_model import DeviceModel
 from resources.emulated import device_of, sequence_lengths
+from resources.membership import Change, MembershipWatch, WorkerChange
 from resources.placement import PlacementRecorder, placement_snapshot, task_stream_snapshot
 from resources.pools import Tag
 from resources.worker import RollArcWorkerPlugin, worker_report
@@ -55,7 +56,12 @@ logger = logging.getLogger(__name__)
 LIVE_EVERY_S = 0.5
 TRAIN_STEP_GRACE_S = 120  # an interrupted run waits this long for its running train step
 IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
-                    TrajState.SCORING, TrajState.IN_GROUP)
+                    TrajState.SCORING, TrajState.IN_GROUP, TrajState.TRAINING)
+WATCHDOG_EVERY_S = 1.0
+
+
+class PoolLost(RunFailing):
+    """A pool had no worker for longer than ``cluster.pool_empty_timeout_s``."""
 
 
 class TrainingRun:
@@ -87,8 +93,7 @@ class TrainingRun:
         self.draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
         self.batch_trajectories = cfg.batch_trajectories()
         # a rolling-out trajectory holds at most one task of each pool at a time
-        self.pool_slots = min(cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
-                                                          Tag.CPU_ENV))
+        self.pool_slots = self._pool_slots()
         router = Router({str(t): cluster.workers_with(t) for t in Tag})
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
@@ -122,7 +127,25 @@ class TrainingRun:
         self._live_sent = 0.0
         self._elapsed_before = 0.0  # training time of the run this one resumes
         self._train_future: Future | None = None
+        self._training_ids: list[int] = []  # the batch of the running train step
         self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
+        # workers joining and leaving (set up in setup()); futures abandoned with a lost worker
+        self.membership: MembershipWatch | None = None
+        self._abandoned: set[str] = set()
+        self._pinned: dict[str, tuple[str, Future]] = {}  # load/time-share key -> worker
+        self._joining: dict[str, dict[str, float]] = {}  # inference workers loading weights
+        self._empty_since: dict[Tag, float] = {}
+        self._next_watchdog = 0.0
+        self._lost_at: float | None = None  # a worker left; cleared by the next train step
+        self.recoveries_s: list[float] = []  # from a worker's loss to the next train step
+        self.worker_changes: list[dict] = []
+        self._restored_from: int | None = None
+
+    def _pool_slots(self) -> int:
+        """Slots of the smallest rollout pool: a rolling-out trajectory holds at most one task
+        of each at a time (at least 1, so that admission goes on while a pool is refilled)."""
+        return max(1, min(self.cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
+                                                           Tag.CPU_ENV)))
 
     def _worker_devices(self) -> dict[str, DeviceModel] | None:
         """rollout.dispatch=length_aware: each inference worker's engine as the device model
@@ -164,9 +187,9 @@ class TrainingRun:
             else:  # a final checkpoint: new group seeds, not a replay of the first run's
                 self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
-        for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
-                        strict=True):
+        for w, f in self.trainer.sync_weights(self.version).items():
             self.worker_versions[w] = f.result()
+        self.membership = MembershipWatch(self.client)
 
     @property
     def trainer_busy(self) -> bool:
@@ -206,15 +229,17 @@ class TrainingRun:
             self._admit()  # after a batch was cut: its room is refilled at once
             for fut in self.driver.flush():  # every turn made ready since: new, next, retried
                 self.events.track(fut, FutureKind.TURN)
-            if self.events.empty():
+            if self.events.empty() and not self._waiting_for_workers():
                 if self.version < self.cfg.trainer.max_steps:
                     raise RuntimeError(
                         f"stalled at policy version {self.version}: nothing in flight and "
                         f"nothing admissible (rollout.max_in_flight={self.cfg.rollout.max_in_flight},"
                         f" pool slots={self.pool_slots})")
                 break
-            for ev in self.events.next_batch():
+            for ev in self.events.next_batch(wake=self._wake):
                 handlers[ev.kind](ev)
+                self._abandoned.discard(ev.future.key)
+            self._membership_and_watchdogs()
             self.driver.prune_closing()
             self._send_live()
         self.driver.wait_closing()
@@ -239,6 +264,7 @@ class TrainingRun:
                 self._record_train(running.result(timeout=TRAIN_STEP_GRACE_S))
             except Exception as exc:  # cancelled before it started, failed, or too slow
                 logger.warning("the train step in flight did not finish: %s", exc)
+                self._drop_training(reason, f"{exc!r}"[:200])
             self._train_future = None
         for fut, directory, state in self._checkpointing.values():  # let a periodic one land
             try:
@@ -317,10 +343,13 @@ class TrainingRun:
             self.trainer.train(TrainBatch(d.samples, self.version)), FutureKind.TRAIN)
         if self.colocated_device is not None:
             seconds = self.colocated_device.train_step_time(sequence_lengths(d.samples))
-            for f in self.trainer.time_share(self.version, seconds):
+            for w, f in zip(self.trainer.inference_workers,
+                            self.trainer.time_share(self.version, seconds), strict=True):
                 self.events.track(f, FutureKind.TIME_SHARE)
-        for t in d.trajectories:
-            self.ledger.transition(int(t.traj_id), TrajState.TRAINED)
+                self._pinned[f.key] = (w, f)
+        self._training_ids = [int(t.traj_id) for t in d.trajectories]
+        for tid in self._training_ids:
+            self.ledger.transition(tid, TrajState.TRAINING)
         self.staleness_hist.update(d.staleness)
         for callback in self.batch_callbacks:
             callback(self.version + 1, d.trajectories)  # as train/step will name it
@@ -334,9 +363,145 @@ class TrainingRun:
     def _group_lost_member(self, group_id: str) -> None:
         self._drop(self.collector.drop_member(group_id), DropReason.GROUP_INCOMPLETE)
 
+    # -- workers joining and leaving, watchdogs ----------------------------------------------
+    def _wake(self) -> bool:
+        """The event loop stops waiting: a worker came or went, or a watchdog is due."""
+        return self.membership.pending() or time.perf_counter() >= self._next_watchdog
+
+    def _waiting_for_workers(self) -> bool:
+        """Work is held back until a pool gets a worker again (or the trainer comes back)."""
+        return (self.trainer.worker is None or bool(self._empty_since)
+                or bool(self.driver._ready))
+
+    def _membership_and_watchdogs(self) -> None:
+        for change in self.membership.take():
+            if change.change is Change.LEFT:
+                self._worker_left(change)
+            else:
+                self._worker_joined(change)
+        now = time.perf_counter()
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + WATCHDOG_EVERY_S
+        self._cancel(self.driver.overdue(self.cfg.rollout.turn_timeout_s))
+        for tag in Tag:
+            present = (self.trainer.worker is not None if tag is Tag.TRAINER
+                       else self.driver.router.has(str(tag)) or bool(self._joining_with(tag)))
+            if present:
+                self._empty_since.pop(tag, None)
+                continue
+            since = self._empty_since.setdefault(tag, now)
+            if now - since > self.cfg.cluster.pool_empty_timeout_s:
+                self._stop_on_empty_pool(tag, now - since)
+
+    def _joining_with(self, tag: Tag) -> list[str]:
+        return [w for w, tags in self._joining.items() if tags.get(str(tag), 0) > 0]
+
+    def _stop_on_empty_pool(self, tag: Tag, seconds: float) -> None:
+        where = ""
+        if self.trainer.worker is not None and not self.trainer_busy:
+            try:
+                where = f"; checkpoint {self.checkpoint_now()} (continue with --resume " \
+                        f"{self.run_dir})"
+            except Exception as exc:
+                where = f"; no checkpoint: {exc!r}"
+        raise PoolLost(f"no worker has advertised {tag} for {seconds:.0f} s "
+                       f"(cluster.pool_empty_timeout_s={self.cfg.cluster.pool_empty_timeout_s:g})"
+                       f" at policy version {self.version}{where}")
+
+    def _note_change(self, what: str, worker: str, detail: str = "") -> None:
+        pool = self.cluster.worker_pool.get(worker, "?")
+        logger.warning("worker %s (%s) %s%s", worker, pool, what, f": {detail}" if detail else "")
+        self.worker_changes.append({"at_s": round(self.elapsed_s, 3), "worker": worker,
+                                    "pool": pool, "change": what, "detail": detail})
+
+    def _cancel(self, futures: list[Future]) -> None:
+        """Give up on ``futures``: they come back through the event loop as cancelled, and
+        their handlers see their keys in ``_abandoned``."""
+        if futures:
+            self._abandoned.update(f.key for f in futures)
+            self.client.cancel(futures)
+
+    def _worker_left(self, change: WorkerChange) -> None:
+        worker = change.address
+        tags = self.cluster.remove_worker(worker)
+        if not tags:
+            return  # not one of the run's workers
+        self._note_change("left", worker, ", ".join(sorted(tags)))
+        if self._lost_at is None:
+            self._lost_at = change.at
+        self.driver.router.remove(worker)
+        self.trainer.inference_workers.pop(worker, None)
+        self.worker_versions.pop(worker, None)
+        self._joining.pop(worker, None)
+        futures, out = self.driver.worker_lost(worker)
+        self._cancel(futures)
+        self._on_turn_outcome(out)
+        self._cancel(self.rewards.worker_lost(worker))
+        self._cancel([f for w, f in self._pinned.values() if w == worker])
+        if worker == self.trainer.worker:
+            self._trainer_lost()
+        self.pool_slots = self._pool_slots()
+
+    def _worker_joined(self, change: WorkerChange) -> None:
+        worker, tags = change.address, {t: n for t, n in change.tags.items() if n > 0}
+        if not tags or worker in self.cluster.worker_tags:
+            return
+        self.cluster.add_worker(worker, change.name, tags)
+        self._note_change("joined", worker, ", ".join(sorted(tags)))
+        self.pool_slots = self._pool_slots()
+        inference = self.trainer.inference_tag(tags)
+        if inference is not None:  # gets work once it has loaded the current weights
+            self.trainer.inference_workers[worker] = inference
+            self._joining[worker] = tags
+            if self.trainer.snapshot is not None and self.trainer.worker is not None:
+                self._load_weights({worker: self.trainer.load_on(worker, self.version)})
+        else:
+            self.driver.router.add(worker, list(tags))
+        if str(Tag.TRAINER) in tags and self.trainer.worker is None:
+            self._restore_trainer(worker)
+
+    def _trainer_lost(self) -> None:
+        """The trainer's worker left: its train step and checkpoint are abandoned, the batch
+        in training dropped; the trainer is rebuilt from the newest checkpoint on another
+        worker carrying the tag, now or when one joins."""
+        self.trainer.worker = None
+        self._cancel([f for f in (self._train_future,) if f is not None])
+        self._cancel([fut for fut, _, _ in self._checkpointing.values()])
+        self._train_future = None
+        self._checkpointing.clear()
+        self._drop_training(DropReason.TRAINER_LOST, "the trainer's worker left")
+        spare = self.cluster.workers_with(Tag.TRAINER)
+        if spare:
+            self._restore_trainer(spare[0])
+
+    def _drop_training(self, reason: DropReason, detail: str) -> None:
+        for tid in self._training_ids:
+            self.ledger.drop(tid, reason, detail)
+        self._training_ids = []
+
+    def _restore_trainer(self, worker: str) -> None:
+        found = checkpoints.latest(self.run_dir)
+        if found is None and self.version > 0:
+            raise RunFailing(f"the trainer's worker was lost at policy version {self.version} "
+                             "and the run has no checkpoint to rebuild it from (set "
+                             "trainer.checkpoint_every)")
+        restored = 0 if found is None else json.loads(
+            (found / checkpoints.DRIVER_STATE).read_text())["version"]
+        self.trainer.restore(worker, None if found is None else
+                             str(found / checkpoints.TRAINER_STATE), self.version)
+        self._restored_from = restored
+        self._note_change("restored the trainer", worker,
+                          f"from the checkpoint of v{restored}, numbering on from "
+                          f"v{self.version}")
+        # joined inference workers waiting for weights get the restored trainer's
+        self._load_weights(self.trainer.sync_weights(self.version))
+
     # -- completions ------------------------------------------------------------------------
     def _on_turn(self, ev: Event) -> None:
-        out = self.driver.on_turn(ev.future, ev.result if ev.ok else None)
+        self._on_turn_outcome(self.driver.on_turn(ev.future, ev.result if ev.ok else None))
+
+    def _on_turn_outcome(self, out: TurnOutcome) -> None:
         for rec, traj in out.finished:
             if rec.evaluation:
                 self._on_eval_episode(rec.eval_round, traj)
@@ -357,17 +522,15 @@ class TrainingRun:
 
     def _on_train(self, ev: Event, progress: ProgressLine) -> None:
         self._train_future = None
+        if ev.future.key in self._abandoned:  # lost with the trainer's worker (dropped then)
+            return
         if ev.future.status != "finished":  # a trainer failure ends the run loudly
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
         self._record_train(ev.result)
         progress.update(self.last_metrics, [t.name for t in self.cfg.env_tasks])
         if self.version >= self.cfg.trainer.max_steps:
             self.driver.stop()
-        for w, f in zip(self.trainer.inference_workers, self.trainer.sync_weights(self.version),
-                        strict=True):
-            self.events.track(f, FutureKind.LOAD_WEIGHTS)
-            self._loading[f.key] = w
-            self.loads_pending += 1
+        self._load_weights(self.trainer.sync_weights(self.version))
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
                 self.driver.start(ep.group_id, ep.env_task, ep.seed, eval_round=ep.round_id)
@@ -377,9 +540,19 @@ class TrainingRun:
         """A train step's result: the new version and its metrics row."""
         self.train_windows.append((self.train_submitted_at, time.perf_counter()))
         self.version = stats.policy_version
+        for tid in self._training_ids:
+            self.ledger.transition(tid, TrajState.TRAINED)
+        self._training_ids = []
+        faults = {}
+        if self._lost_at is not None:  # the first step since a worker was lost
+            self.recoveries_s.append(time.perf_counter() - self._lost_at)
+            faults["faults/recovery_s"] = self.recoveries_s[-1]
+            self._lost_at = None
+        if self._restored_from is not None:
+            faults["train/restored_from"], self._restored_from = self._restored_from, None
         metrics = {"train/step": self.version, **stats.log("train"), **self.batch_info,
                    **perf_metrics(self.elapsed_s, self.ledger.summary()),
-                   **self.rewards.metrics()}
+                   **self.rewards.metrics(), **faults}
         self.sink.log(metrics)
         self.last_metrics = metrics
 
@@ -397,6 +570,8 @@ class TrainingRun:
 
     def _on_checkpoint(self, ev: Event) -> None:
         _, directory, state = self._checkpointing.pop(ev.future.key)
+        if ev.future.key in self._abandoned:  # lost with the trainer's worker
+            return
         if ev.future.status != "finished":
             raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
         self._finish_checkpoint(directory, state)
@@ -427,14 +602,31 @@ class TrainingRun:
         self.driver._next_eval_id = int(state["next_eval_trajectory"])
         self._elapsed_before = float(state["elapsed_s"])
 
+    def _load_weights(self, loads: dict[str, Future]) -> None:
+        for w, f in loads.items():
+            self.events.track(f, FutureKind.LOAD_WEIGHTS)
+            self._loading[f.key] = w
+            self._pinned[f.key] = (w, f)
+            self.loads_pending += 1
+
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1
         worker = self._loading.pop(ev.future.key)
+        self._pinned.pop(ev.future.key, None)
+        if ev.future.key in self._abandoned:  # its worker left
+            return
         if ev.future.status != "finished":
             raise RuntimeError(f"weight load {ev.future.key} failed: {ev.future.exception()}")
         self.worker_versions[worker] = int(ev.result)
+        tags = self._joining.pop(worker, None)
+        if tags is not None:  # a joined inference worker holds the weights: give it work
+            self.driver.router.add(worker, [t for t, n in tags.items() if n > 0])
+            self._note_change("serving", worker, f"loaded v{int(ev.result)}")
 
     def _on_time_share(self, ev: Event) -> None:
+        self._pinned.pop(ev.future.key, None)
+        if ev.future.key in self._abandoned:
+            return
         if ev.future.status != "finished":
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
 

@@ -23,12 +23,23 @@ class TrainerHandle:
                  spans: StageSpans | None = None):
         self.client, self.stages = client, stages
         self.spans = spans or StageSpans("run")
-        self.worker = cluster.workers_with(Tag.TRAINER)[0]
+        # the trainer's worker; None while it is lost and no other worker carries the tag
+        self.worker: str | None = cluster.workers_with(Tag.TRAINER)[0]
         compute = set(cluster.workers_with(Tag.GPU_COMPUTE))
         # every inference worker, with the tag its weight load takes a slot of
         self.inference_workers = {
             w: (Tag.GPU_COMPUTE if w in compute else Tag.GPU_BANDWIDTH)
             for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
+        self.snapshot: Future | None = None  # the newest published weights, on the trainer
+        self._restores = 0
+
+    @staticmethod
+    def inference_tag(tags: dict[str, float]) -> Tag | None:
+        """The tag a worker's weight loads take a slot of (None: it runs no inference)."""
+        for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
+            if tags.get(str(tag), 0) > 0:
+                return tag
+        return None
 
     def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
         with self.spans("trainer", stage.value):
@@ -40,16 +51,24 @@ class TrainerHandle:
         return self._on_trainer(Stage.TRAIN_STEP, self.stages.train_step, batch,
                                 key=f"{Stage.TRAIN_STEP}-{batch.policy_version}")
 
-    def sync_weights(self, version: int) -> list[Future]:
-        """Publish the trainer's weights and load them on every inference worker."""
-        snap = self._on_trainer(Stage.PUBLISH_WEIGHTS, self.stages.publish_weights,
-                                key=f"{Stage.PUBLISH_WEIGHTS}-{version}")
+    def sync_weights(self, version: int) -> dict[str, Future]:
+        """Publish the trainer's weights and load them on every inference worker: the load
+        futures by worker."""
+        self.snapshot = self._on_trainer(Stage.PUBLISH_WEIGHTS, self.stages.publish_weights,
+                                         key=f"{Stage.PUBLISH_WEIGHTS}-{version}-"
+                                             f"{self._restores}")
+        return {w: self.load_on(w, version) for w in self.inference_workers}
+
+    def load_on(self, worker: str, version: int) -> Future:
+        """The newest published weights (of ``version``) loaded on one inference worker: a
+        worker that joins loads them before it is given work."""
         with self.spans("trainer", Stage.LOAD_WEIGHTS.value):
-            return [self.client.submit(with_backend, self.stages.load_weights, snap,
-                                       key=f"{Stage.LOAD_WEIGHTS}-{version}-{i}", workers=[w],
-                                       pure=False, allow_other_workers=False,
-                                       resources=demand(Stage.LOAD_WEIGHTS, tag))
-                    for i, (w, tag) in enumerate(self.inference_workers.items())]
+            return self.client.submit(
+                with_backend, self.stages.load_weights, self.snapshot,
+                key=f"{Stage.LOAD_WEIGHTS}-{version}-{self._restores}-{worker}",
+                workers=[worker], pure=False,
+                allow_other_workers=False,
+                resources=demand(Stage.LOAD_WEIGHTS, self.inference_workers[worker]))
 
     def time_share(self, version: int, seconds: float) -> list[Future]:
         """Colocated training on emulated devices: every inference engine yields its GPUs to
@@ -72,7 +91,27 @@ class TrainerHandle:
         return self._on_trainer(Stage.TRAIN_STEP, self.stages.load_checkpoint, checkpoint,
                                 key="resume-0").result()
 
+    def restore(self, worker: str, checkpoint: str | None, version: int,
+                timeout: float = 300) -> None:
+        """The trainer's worker was lost: rebuild the trainer on ``worker`` from
+        ``checkpoint`` (weights, optimiser, schedule, random states; None: the initial
+        weights, when nothing was trained) and have it go on numbering at ``version``, so
+        that policy versions never repeat."""
+        self.worker, self._restores = worker, self._restores + 1
+        self._on_trainer(Stage.TRAIN_STEP, restore_at, self.stages.load_checkpoint,
+                         checkpoint, version, key=f"restore-{self._restores}"
+                         ).result(timeout=timeout)
+
+
     def save(self, run_dir: str, version: int) -> str:
         """The final policy (Hugging Face directory) and a resumable checkpoint."""
         return self._on_trainer(Stage.SAVE_CHECKPOINT, self.stages.save_checkpoint, run_dir,
                                 key=f"{Stage.SAVE_CHECKPOINT}-{version}").result()
+
+
+def restore_at(trainer, load_checkpoint, checkpoint: str | None, version: int) -> int:
+    """On the trainer's worker: restore, then continue the version count at ``version``."""
+    if checkpoint is not None:
+        load_checkpoint(trainer, checkpoint)
+    trainer.version = version
+    return version

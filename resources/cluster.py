@@ -34,6 +34,16 @@ class ClusterHandle:
     def slots(self, tag: Tag) -> int:
         return int(sum(r.get(str(tag), 0) for r in self.worker_tags.values()))
 
+    def add_worker(self, address: str, name: str, tags: dict[str, float]) -> None:
+        """A worker joined during the run, with its RollArc tags."""
+        self.worker_tags[address] = dict(tags)
+        self.worker_pool[address] = _pool_name(name, tags, self.cluster is not None)
+
+    def remove_worker(self, address: str) -> dict[str, float]:
+        """A worker left: the tags it had (empty: not one of ours). Its pool name is kept for
+        the run's records."""
+        return self.worker_tags.pop(address, {})
+
     def close(self) -> None:
         """In order: a local cluster retires and closes its workers, then its scheduler, while
         the client is still connected; the client goes last. (Closing the client first left
@@ -97,15 +107,18 @@ def connect(address: str, timeout: float = 60) -> ClusterHandle:
     return _describe(client, None)
 
 
+def _pool_name(name: str, tags: dict[str, float], spec_cluster: bool) -> str:
+    """SpecCluster names workers '<pool>-<i>'; elsewhere the pool is the set of tags."""
+    return name.rsplit("-", 1)[0] if spec_cluster else "+".join(sorted(tags))
+
+
 def _describe(client: Client, cluster: SpecCluster | None) -> ClusterHandle:
     info = client.scheduler_info(n_workers=-1)["workers"]
     worker_pool, worker_tags = {}, {}
     for addr, w in info.items():
         res = {k: v for k, v in (w.get("resources") or {}).items() if k in {t.value for t in Tag}}
         worker_tags[addr] = res
-        name = str(w.get("name", addr))
-        # SpecCluster names workers '<pool>-<i>'; elsewhere the pool is the set of tags.
-        worker_pool[addr] = name.rsplit("-", 1)[0] if cluster is not None else "+".join(sorted(res))
+        worker_pool[addr] = _pool_name(str(w.get("name", addr)), res, cluster is not None)
     try:
         link = client.dashboard_link
     except Exception:  # no dashboard (bokeh missing on a remote scheduler)

@@ -21,7 +21,8 @@ def test_a_trajectory_runs_its_course_and_the_accounts_add_up_at_every_event():
          lg.training.in_flight)))
     for tid in range(4):
         ledger.admit(tid)
-    _through(ledger, 0, S.ROLLING_OUT, S.AWAITING_SCORE, S.SCORING, S.IN_GROUP, S.TRAINED)
+    _through(ledger, 0, S.ROLLING_OUT, S.AWAITING_SCORE, S.SCORING, S.IN_GROUP, S.TRAINING,
+             S.TRAINED)
     _through(ledger, 1, S.ROLLING_OUT, S.ROLLING_OUT)  # a restart after a failed attempt
     ledger.drop(1, DropReason.ROLLOUT_ERROR, "KilledWorker: lost")
     _through(ledger, 2, S.ROLLING_OUT, S.AWAITING_SCORE, S.SCORING)
@@ -29,7 +30,7 @@ def test_a_trajectory_runs_its_course_and_the_accounts_add_up_at_every_event():
     _through(ledger, 3, S.ROLLING_OUT)
     assert ledger.rolling_out == 1 and ledger.unconsumed == 1
     assert all(started == trained + dropped + live for started, trained, dropped, live in seen)
-    assert len(seen) == ledger.transitions == 4 + 5 + 3 + 3 + 1 + 1
+    assert len(seen) == ledger.transitions == 4 + 6 + 3 + 3 + 1 + 1
     s = ledger.summary()
     assert (s["started"], s["trained"], s["in_flight"]) == (4, 1, 1)
     assert s["dropped"] == {"reward_item_error": 1, "rollout_error": 1}
