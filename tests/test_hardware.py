@@ -108,6 +108,18 @@ def test_the_preload_parses_its_options_and_advertises_them(monkeypatch):
         dask_setup.callback(SimpleNamespace(), None, None, None, None)
 
 
+def test_dask_worker_hands_its_unknown_options_to_the_preload():
+    from distributed.cli.dask_worker import main as dask_worker_cli
+
+    argv = ["tcp://h:8786", "--nthreads", "2", "--preload", "resources.hardware"]
+    params = dask_worker_cli.make_context("worker", [*argv, "--hardware", "H800"]).params
+    assert params["preload_argv"] == ("--hardware", "H800")
+    with pytest.raises(click.UsageError):  # validated by the preload's own options
+        dask_worker_cli.make_context("worker", [*argv, "--hardwar", "H800"])
+    with pytest.raises(click.UsageError):  # no address: click takes --hardware for it
+        dask_worker_cli.make_context("worker", argv[1:] + ["--hardware", "H800"])
+
+
 # ---- pools from advertisements -----------------------------------------------------------
 
 
