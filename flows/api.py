@@ -111,8 +111,13 @@ class Session:
         return cls(make_cluster(cfg, None), cfg)
 
     @classmethod
-    def connect(cls, scheduler: str, timeout: float = 60, config: ConfigLike = None,
-                overrides: Sequence[str] = ()) -> Session:
+    def connect(
+        cls,
+        scheduler: str,
+        timeout: float = 60,
+        config: ConfigLike = None,
+        overrides: Sequence[str] = (),
+    ) -> Session:
         """Use a running cluster. Workers advertising their hardware (the
         ``resources.hardware`` preload) are pooled and tagged by the affinity cost model of the
         config (default: the embedded default); others keep their ``--resources`` tags. A

@@ -15,8 +15,7 @@ from tasks.components import accepts, describe, instantiate, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 # config/deploy/ holds deployment specs (Kubernetes, SLURM), not training configs.
-CONFIGS = sorted(p for p in (ROOT / "config").rglob("*.yaml")
-                 if p.parent.name != "deploy")
+CONFIGS = sorted(p for p in (ROOT / "config").rglob("*.yaml") if p.parent.name != "deploy")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
