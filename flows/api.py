@@ -46,7 +46,7 @@ from flows.config import (
     with_overrides,
 )
 from flows.dump import TrajectoryDump
-from flows.launch import close_quietly, make_cluster, start_reward_service
+from flows.launch import close_quietly, make_cluster, pool_router, start_reward_service
 from flows.lifecycle import DropReason, TrajectoryLedger, Transition
 from flows.metrics import ProgressLine, RowsSink, check_sinks, make_sinks
 from flows.monitor import (
@@ -111,12 +111,23 @@ class Session:
         return cls(make_cluster(cfg, None), cfg)
 
     @classmethod
-    def connect(cls, scheduler: str, timeout: float = 60) -> Session:
-        """Use a running cluster (workers started with the pools' ``--resources``)::
+    def connect(
+        cls,
+        scheduler: str,
+        timeout: float = 60,
+        config: ConfigLike = None,
+        overrides: Sequence[str] = (),
+    ) -> Session:
+        """Use a running cluster. Workers advertising their hardware (the
+        ``resources.hardware`` preload) are pooled and tagged by the affinity cost model of the
+        config (default: the embedded default); others keep their ``--resources`` tags. A
+        config given is what the session's runs start from::
 
             session = Session.connect("tcp://10.0.0.5:8786")
         """
-        return cls(connect(scheduler, timeout))
+        cfg = _config(config, overrides)
+        handle = connect(scheduler, timeout, route_pools=pool_router(cfg))
+        return cls(handle, cfg if config is not None or overrides else None)
 
     @property
     def client(self):
@@ -399,7 +410,7 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     session = None
     try:
         if scheduler:
-            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s)
+            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s, cfg)
         else:
             session = Session.start(cfg)
         dashboard(f"Dask dashboard: {session.dashboard_link}")

@@ -8,7 +8,9 @@ import logging
 from flows.config import ConfigError, TrainConfig
 from resources.affinity import pool_tags, route
 from resources.cluster import ClusterHandle, connect, start_local_cluster
+from resources.hardware import PoolRouter
 from resources.lambda_emulator import LambdaEmulator
+from resources.pools import PoolSpec, Tag
 
 logger = logging.getLogger(__name__)
 
@@ -17,16 +19,36 @@ class RewardServiceError(RuntimeError):
     """The reward functions cannot be reached: the run stops before the cluster starts."""
 
 
+def pool_router(cfg: TrainConfig) -> PoolRouter:
+    """The tags of each pool, prefill and decode routed by the affinity cost model of ``cfg``:
+    one router for the embedded pools and for those of workers advertising their hardware."""
+
+    def tags_for(pools: list[PoolSpec]) -> dict[str, list[Tag]]:
+        a = cfg.affinity
+        routing = route(pools, a.workload, a.objective, a.profiles)
+        logger.info(
+            "affinity routing (%s): %s", a.objective.value, {s.value: p for s, p in routing.items()}
+        )
+        return pool_tags(pools, routing)
+
+    return tags_for
+
+
 def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
-    """Connect to ``scheduler``, or start the embedded local cluster of ``cfg``'s pools with
-    the stages routed by the affinity cost model."""
+    """Connect to ``scheduler`` (routing the workers that advertise their hardware), or start
+    the embedded local cluster of ``cfg``'s pools with the stages routed by the affinity cost
+    model."""
+    router = pool_router(cfg)
     if scheduler:
-        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s)
+        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=router)
     pools = cfg.effective_pools()
-    routing = route(pools, cfg.affinity.workload, cfg.affinity.objective, cfg.affinity.profiles)
-    logger.info("affinity routing: %s", {s.value: p for s, p in routing.items()})
-    return start_local_cluster(pools, pool_tags(pools, routing), cfg.cluster.dashboard_port,
-                               cfg.cluster.processes, cfg.cluster.startup_timeout_s)
+    return start_local_cluster(
+        pools,
+        router(pools),
+        cfg.cluster.dashboard_port,
+        cfg.cluster.processes,
+        cfg.cluster.startup_timeout_s,
+    )
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:

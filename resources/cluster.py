@@ -2,8 +2,10 @@
 
 The embedded default starts a ``SpecCluster`` with one worker process per pool worker, each
 advertising its pool's tags with its slot count as the total. ``--scheduler`` connects to any
-running Dask scheduler instead, whose workers were started with matching ``--resources``; pools
-are then read back from the workers' declared resources.
+running Dask scheduler instead. Its workers that advertise their hardware (the
+:mod:`resources.hardware` preload) are grouped into pools that the same cost model routes and
+tags at connect time; workers started with plain ``--resources`` tags keep them, their pool
+being the set of tags.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 
+from resources.hardware import PoolRouter, adopt_hardware
 from resources.pools import PoolSpec, Tag
 from resources.worker import TORCH_THREADS_ENV
 
@@ -101,10 +104,14 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
     return handle
 
 
-def connect(address: str, timeout: float = 60) -> ClusterHandle:
+def connect(
+    address: str, timeout: float = 60, route_pools: PoolRouter | None = None
+) -> ClusterHandle:
+    """Connect to a running scheduler; with ``route_pools``, the workers advertising hardware
+    are pooled and given the tags it routes them."""
     client = Client(address, timeout=timeout)
     client.wait_for_workers(1, timeout=timeout)
-    return _describe(client, None)
+    return _describe(client, None, route_pools)
 
 
 def _pool_name(name: str, tags: dict[str, float], spec_cluster: bool) -> str:
@@ -112,10 +119,17 @@ def _pool_name(name: str, tags: dict[str, float], spec_cluster: bool) -> str:
     return name.rsplit("-", 1)[0] if spec_cluster else "+".join(sorted(tags))
 
 
-def _describe(client: Client, cluster: SpecCluster | None) -> ClusterHandle:
+def _describe(
+    client: Client, cluster: SpecCluster | None, route_pools: PoolRouter | None = None
+) -> ClusterHandle:
     info = client.scheduler_info(n_workers=-1)["workers"]
+    adopted = adopt_hardware(client, info, route_pools) if route_pools is not None else {}
     worker_pool, worker_tags = {}, {}
     for addr, w in info.items():
+        if addr in adopted:
+            worker_pool[addr], res = adopted[addr]
+            worker_tags[addr] = {k: v for k, v in res.items() if v > 0}
+            continue
         res = {k: v for k, v in (w.get("resources") or {}).items() if k in {t.value for t in Tag}}
         worker_tags[addr] = res
         worker_pool[addr] = _pool_name(str(w.get("name", addr)), res, cluster is not None)
