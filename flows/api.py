@@ -36,6 +36,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from distributed import performance_report
+from distributed.security import Security
 
 from flows.config import (
     ConfigError,
@@ -111,12 +112,14 @@ class Session:
         return cls(make_cluster(cfg, None), cfg)
 
     @classmethod
-    def connect(cls, scheduler: str, timeout: float = 60) -> Session:
-        """Use a running cluster (workers started with the pools' ``--resources``)::
+    def connect(cls, scheduler: str, timeout: float = 60,
+                security: Security | None = None) -> Session:
+        """Use a running cluster (workers started with the pools' ``--resources``); a
+        ``tls://`` scheduler takes ``security`` (``cfg.cluster.tls.security()``)::
 
             session = Session.connect("tcp://10.0.0.5:8786")
         """
-        return cls(connect(scheduler, timeout))
+        return cls(connect(scheduler, timeout, security=security))
 
     @property
     def client(self):
@@ -399,7 +402,8 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     session = None
     try:
         if scheduler:
-            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s)
+            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s,
+                                      security=cfg.cluster.tls.security())
         else:
             session = Session.start(cfg)
         dashboard(f"Dask dashboard: {session.dashboard_link}")

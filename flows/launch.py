@@ -19,14 +19,16 @@ class RewardServiceError(RuntimeError):
 
 def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     """Connect to ``scheduler``, or start the embedded local cluster of ``cfg``'s pools with
-    the stages routed by the affinity cost model."""
+    the stages routed by the affinity cost model; TLS when ``cfg.cluster.tls`` is set."""
+    security = cfg.cluster.tls.security()  # None: plain TCP
     if scheduler:
-        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s)
+        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, security=security)
     pools = cfg.effective_pools()
     routing = route(pools, cfg.affinity.workload, cfg.affinity.objective, cfg.affinity.profiles)
     logger.info("affinity routing: %s", {s.value: p for s, p in routing.items()})
     return start_local_cluster(pools, pool_tags(pools, routing), cfg.cluster.dashboard_port,
-                               cfg.cluster.processes, cfg.cluster.startup_timeout_s)
+                               cfg.cluster.processes, cfg.cluster.startup_timeout_s,
+                               host=cfg.cluster.host, security=security)
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
