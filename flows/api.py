@@ -36,6 +36,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from distributed import performance_report
+from distributed.security import Security
 
 from flows.config import (
     ConfigError,
@@ -117,16 +118,18 @@ class Session:
         timeout: float = 60,
         config: ConfigLike = None,
         overrides: Sequence[str] = (),
+        security: Security | None = None,
     ) -> Session:
         """Use a running cluster. Workers advertising their hardware (the
         ``resources.hardware`` preload) are pooled and tagged by the affinity cost model of the
         config (default: the embedded default); others keep their ``--resources`` tags. A
-        config given is what the session's runs start from::
+        config given is what the session's runs start from; a ``tls://`` scheduler takes
+        ``security`` (``cfg.cluster.tls.security()``)::
 
             session = Session.connect("tcp://10.0.0.5:8786")
         """
         cfg = _config(config, overrides)
-        handle = connect(scheduler, timeout, route_pools=pool_router(cfg))
+        handle = connect(scheduler, timeout, route_pools=pool_router(cfg), security=security)
         return cls(handle, cfg if config is not None or overrides else None)
 
     @property
@@ -410,7 +413,8 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     session = None
     try:
         if scheduler:
-            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s, cfg)
+            session = Session.connect(scheduler, cfg.cluster.startup_timeout_s, cfg,
+                                      security=cfg.cluster.tls.security())
         else:
             session = Session.start(cfg)
         dashboard(f"Dask dashboard: {session.dashboard_link}")

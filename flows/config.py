@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -47,6 +48,9 @@ from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.policy import PolicySpec
 from tasks.reward_service import resolve_reward
 from tasks.trainer import TrainerHParams
+
+if TYPE_CHECKING:  # distributed is imported only when TLS is used
+    from distributed.security import Security
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.yaml"
 
@@ -299,6 +303,55 @@ class EngineConfig(_Strict):
         return {"device": self.device.model_dump(), "time_scale": self.time_scale}
 
 
+def _existing_file(v: str | None) -> str | None:
+    if v is not None and not Path(v).is_file():
+        raise ValueError("no such file" if not Path(v).exists() else "not a file")
+    return v
+
+
+TLSFile = Annotated[str | None, AfterValidator(_existing_file)]
+
+
+class TLSConfig(_Strict):
+    """TLS for every Dask connection (Dask's ``Security``); all null: plain TCP."""
+
+    ca_file: TLSFile = Field(default=None, description="CA certificate (PEM) that signed every "
+                             "certificate of the cluster (dask --tls-ca-file)")
+    cert_file: TLSFile = Field(default=None, description="Certificate (PEM) this run's client, "
+                               "scheduler and workers present (dask --tls-cert)")
+    key_file: TLSFile = Field(default=None, description="Private key (PEM) of cert_file (dask "
+                              "--tls-key)")
+    require_encryption: bool = Field(default=True, description="Refuse plain-TCP connections "
+                                     "once TLS is set")
+
+    @model_validator(mode="after")
+    def _together(self) -> TLSConfig:
+        given = {k: getattr(self, k) for k in ("ca_file", "cert_file", "key_file")}
+        missing = [k for k, v in given.items() if v is None]
+        if missing and len(missing) < len(given):  # Dask's TLS is mutual: all three or none
+            raise ValueError(f"{missing[0]} is needed with "
+                             f"{[k for k in given if k not in missing][0]} (TLS takes a CA, "
+                             "a certificate and its key)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether TLS is configured."""
+        return self.ca_file is not None
+
+    def security(self) -> Security | None:
+        """Dask's ``Security`` for every role (client, scheduler, worker), or None (plain
+        TCP)."""
+        if not self.enabled:
+            return None
+        from distributed.security import Security
+
+        pair = {"cert": self.cert_file, "key": self.key_file}
+        return Security(tls_ca_file=self.ca_file, require_encryption=self.require_encryption,
+                        **{f"tls_{role}_{part}": path for role in ("client", "scheduler", "worker")
+                           for part, path in pair.items()})
+
+
 class ClusterConfig(_Strict):
     pools: list[PoolSpec] = Field(description="Pools of the embedded local cluster")
     monolithic_workers: int | None = Field(default=None, ge=1, description="Workers of the "
@@ -307,12 +360,18 @@ class ClusterConfig(_Strict):
                                         "worker (null: the most a pool has)")
     monolithic_profile: str = Field(default="H800", description="Profile of the single pool "
                                     "that placement=monolithic uses")
+    host: str = Field(default="127.0.0.1", description="Address the embedded scheduler, its "
+                      "workers and dashboard bind (another than loopback is reachable from "
+                      "other machines)")
     dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
     processes: bool = Field(default=True, description="Workers in separate processes (Nanny)")
     startup_timeout_s: float = Field(default=120, gt=0, description="Wait for workers")
     pool_empty_timeout_s: float = Field(
         default=300, gt=0, description="A pool (resource tag) left without any worker this long "
         "stops the run with a checkpoint (when the trainer is alive) instead of waiting on")
+    tls: Annotated[TLSConfig, BeforeValidator(lambda v: {} if v is None else v)] = Field(
+        default_factory=TLSConfig, description="TLS of the Dask connections, the embedded "
+        "cluster's and --scheduler's (null: plain TCP)")
 
 
 class AffinityConfig(_Strict):
@@ -534,7 +593,9 @@ def apply_override(data: dict, key: str, value: Any) -> None:
                 raise ConfigError(f"{key}: index {idx} out of range")
             node = node[idx]
         else:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # a null section (tls: null) takes keys as an absent one
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict | list):
                 raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is not a section")
     last = parts[-1]

@@ -37,18 +37,16 @@ def pool_router(cfg: TrainConfig) -> PoolRouter:
 def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     """Connect to ``scheduler`` (routing the workers that advertise their hardware), or start
     the embedded local cluster of ``cfg``'s pools with the stages routed by the affinity cost
-    model."""
+    model; TLS when ``cfg.cluster.tls`` is set."""
     router = pool_router(cfg)
+    security = cfg.cluster.tls.security()  # None: plain TCP
     if scheduler:
-        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=router)
+        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=router,
+                       security=security)
     pools = cfg.effective_pools()
-    return start_local_cluster(
-        pools,
-        router(pools),
-        cfg.cluster.dashboard_port,
-        cfg.cluster.processes,
-        cfg.cluster.startup_timeout_s,
-    )
+    return start_local_cluster(pools, router(pools), cfg.cluster.dashboard_port,
+                               cfg.cluster.processes, cfg.cluster.startup_timeout_s,
+                               host=cfg.cluster.host, security=security)
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:

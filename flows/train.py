@@ -26,6 +26,8 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
     python flows/train.py mode=sync placement=monolithic trainer.max_steps=20
     # an existing cluster (workers: dask worker tcp://HOST:8786 --resources "GPU_COMPUTE=32")
     python flows/train.py --scheduler tcp://HOST:8786 --run-dir runs/cluster
+    # the same over TLS (scheduler and workers started with the same --tls-* flags)
+    python flows/train.py --scheduler tls://HOST:8786 --tls-ca-file ca.pem --tls-cert c.pem --tls-key k.pem
     # rewards on AWS Lambda (after sam deploy; credentials from the usual AWS chain)
     python flows/train.py reward.emulator.enabled=false reward.region=eu-west-1
     # a model-based reward (sentence embeddings) on the text-answer task
@@ -62,8 +64,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dump-trajectories", type=int, default=None, metavar="N",
                    help="Write N sampled trajectories per train step to trajectories.txt "
                         "(metrics.dump_trajectories)")
+    p.add_argument("--tls-ca-file", default=None, metavar="PEM",
+                   help="TLS for the Dask connections: the CA certificate (cluster.tls.ca_file)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="TLS certificate of this run's client, scheduler and workers "
+                        "(cluster.tls.cert_file)")
+    p.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="Private key of --tls-cert (cluster.tls.key_file)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     return p.parse_args(argv)
+
+
+TLS_FLAGS = {"tls_ca_file": "ca_file", "tls_cert": "cert_file", "tls_key": "key_file"}
+
+
+def tls_overrides(args: argparse.Namespace) -> list[str]:
+    """The cluster.tls overrides of --tls-ca-file, --tls-cert and --tls-key; each path is
+    quoted, so that YAML reads it as text whatever it looks like."""
+    return [f"cluster.tls.{key}={json.dumps(getattr(args, flag))}"
+            for flag, key in TLS_FLAGS.items() if getattr(args, flag) is not None]
 
 
 def resume_overrides(run_dir: Path) -> tuple[Path, list[str], int]:
@@ -89,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dump = ([] if args.dump_trajectories is None
                 else [f"metrics.dump_trajectories={args.dump_trajectories}"])
+        flags = [*dump, *tls_overrides(args)]
         config, resume, resumed_version = args.config, [], None
         if args.resume:
             if args.config or args.run_dir:
                 raise ConfigError("--resume: the run directory gives the config and the run "
                                   "directory; drop --config and --run-dir")
             config, resume, resumed_version = resume_overrides(Path(args.resume))
-        cfg = load_config(config, [*args.overrides, *dump, *resume])
+        cfg = load_config(config, [*args.overrides, *flags, *resume])
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,11 @@ import socket
 from dataclasses import dataclass
 
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
+from distributed.comm.addressing import unparse_host_port
+from distributed.security import Security
 
 from resources.hardware import PoolRouter, adopt_hardware
+from resources.net import LOOPBACK, warn_if_exposed
 from resources.pools import PoolSpec, Tag
 from resources.worker import TORCH_THREADS_ENV
 
@@ -91,13 +94,23 @@ def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: b
 
 
 def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashboard_port: int = 8787,
-                        processes: bool = True, timeout: float = 120) -> ClusterHandle:
+                        processes: bool = True, timeout: float = 120, host: str = LOOPBACK,
+                        security: Security | None = None) -> ClusterHandle:
+    """The embedded cluster, its scheduler and dashboard on ``host`` (loopback by default; any
+    other address is logged as reachable from other machines). With ``security`` every
+    connection (client, scheduler, workers) is TLS."""
+    warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
+                    "send)", host)
     port = _free_port(dashboard_port) if dashboard_port else 0
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": f"127.0.0.1:{port}",
-                                                "host": "127.0.0.1"}}
+    tls = {"security": security, "protocol": "tls"} if security is not None else {}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": unparse_host_port(host, port),
+                                                "host": host, **tls}}
     specs = worker_specs(pools, tags, processes)
+    for spec in specs.values():
+        # the host too: an in-process Worker given none listens on every interface
+        spec["options"].update(host=host, **tls)
     cluster = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARNING,
-                          name="rollarc")
+                          name="rollarc", security=security)
     client = Client(cluster)
     client.wait_for_workers(len(specs), timeout=timeout)
     handle = _describe(client, cluster)
@@ -105,11 +118,12 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
 
 
 def connect(
-    address: str, timeout: float = 60, route_pools: PoolRouter | None = None
+    address: str, timeout: float = 60, route_pools: PoolRouter | None = None,
+    security: Security | None = None,
 ) -> ClusterHandle:
     """Connect to a running scheduler; with ``route_pools``, the workers advertising hardware
-    are pooled and given the tags it routes them."""
-    client = Client(address, timeout=timeout)
+    are pooled and given the tags it routes them; ``security`` for a ``tls://`` scheduler."""
+    client = Client(address, timeout=timeout, security=security)
     client.wait_for_workers(1, timeout=timeout)
     return _describe(client, None, route_pools)
 

@@ -1,7 +1,8 @@
 """A local emulation of the AWS Lambda Invoke API, for boto3 with ``endpoint_url``.
 
-It serves ``POST /2015-03-31/functions/{name}/invocations`` on 127.0.0.1 the way Lambda does, so
-the reward client's code path is the one that talks to AWS:
+It serves ``POST /2015-03-31/functions/{name}/invocations`` on 127.0.0.1 (another address is
+logged as reachable from other machines) the way Lambda does, so the reward client's code path
+is the one that talks to AWS:
 
 - ``X-Amz-Invocation-Type``: ``RequestResponse`` (200 and the handler's JSON), ``Event`` (202;
   runs in the background, queued rather than throttled, as Lambda queues async events) and
@@ -45,6 +46,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from resources.net import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +305,8 @@ class LambdaEmulator:
             pass
 
         Handler.emulator = emulator
+        warn_if_exposed("the Lambda emulation (it runs reward functions for any caller)",
+                        self.host)
         self._server = ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
