@@ -39,6 +39,7 @@ class RolloutRecord:
     # the last turn's decode output (the cache so far): (its cohort's future, the index in it)
     last_decode: Any = None
     kv_worker: str | None = None  # the worker holding ``last_decode`` (the cache)
+    env_reset: Any = None  # the future of the reset creating its instance, until it answered
     next_obs: Any = None  # the observation the next turn reads (None: reset first)
     tokens: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
@@ -58,7 +59,7 @@ class RolloutRecord:
 
     def reset_record(self) -> None:
         self.turn = 0
-        self.last_decode = self.kv_worker = None
+        self.last_decode = self.kv_worker = self.env_reset = None
         self.next_obs = None
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None

@@ -74,8 +74,9 @@ class ScoreOutcome:
 class RewardDispatcher:
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int,
-                 spans: StageSpans | None = None):
+                 spans: StageSpans | None = None, key_tag: str = ""):
         self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
+        self.key_tag = key_tag  # ends every key (see RolloutDriver)
         self.run_id = run_id
         self.spans = spans or StageSpans(run_id)
         self.reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
@@ -89,7 +90,7 @@ class RewardDispatcher:
         self._pending: list[Trajectory] = []
         self._scoring: dict[str, tuple[list[Trajectory], str, Future]] = {}  # batch, worker
         self._lost_keys: set[str] = set()  # score tasks whose worker left: re-sent
-        self._resent: Counter[str] = Counter()  # by trajectory id
+        self.resent: Counter[str] = Counter()  # score requests sent again, by trajectory id
 
     def queue(self, traj: Trajectory) -> None:
         """A finished training trajectory (awaiting_score) waits for the next flush."""
@@ -113,7 +114,7 @@ class RewardDispatcher:
                     fut = self.client.submit(
                         with_reward_client, self.stages.score, function,
                         score_requests(batch, self.reward_fns, self.run_id),
-                        key=f"{Stage.SCORE}-{self.score_tasks}", workers=[worker],
+                        key=f"{Stage.SCORE}-{self.score_tasks}{self.key_tag}", workers=[worker],
                         pure=False, resources=demand(Stage.SCORE))
                 self.score_tasks += 1
                 self._scoring[fut.key] = (batch, worker, fut)
@@ -130,8 +131,8 @@ class RewardDispatcher:
             self._lost_keys.discard(fut.key)
             for traj in batch:
                 tid = int(traj.traj_id)
-                self._resent[traj.traj_id] += 1
-                if self._resent[traj.traj_id] > MAX_RESENDS:
+                self.resent[traj.traj_id] += 1
+                if self.resent[traj.traj_id] > MAX_RESENDS:
                     self.ledger.drop(tid, DropReason.REWARD_TASK_LOST, "its worker left, "
                                      f"{MAX_RESENDS} times")
                     out.dropped.append(traj)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from distributed import Client, Future, wait
@@ -36,7 +37,14 @@ from flows.workload import turn_shape
 from resources.device_model import DeviceModel
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_envs, with_registry
-from tasks.cohort import MemberError, decode_many, env_reset_many, env_step_many, prefill_many
+from tasks.cohort import (
+    MemberError,
+    close_after,
+    decode_many,
+    env_reset_many,
+    env_step_many,
+    prefill_many,
+)
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
@@ -81,8 +89,10 @@ class RolloutDriver:
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
                  devices: dict[str, DeviceModel] | None = None,
-                 spans: StageSpans | None = None):
+                 spans: StageSpans | None = None, key_tag: str = ""):
         self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
+        # ends every key: runs sharing a cluster never share a key (nor an old key's result)
+        self.key_tag = key_tag
         # rollout.dispatch=length_aware: each inference worker's device model (None: split)
         self.devices = devices
         self.lengths = ResponseLengths()
@@ -99,6 +109,7 @@ class RolloutDriver:
         self._cohorts: dict[str, _Cohort] = {}  # by the key of its env_step
         self._next_cohort = 0
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
+        self.restarts: Counter[str] = Counter()  # trajectories restarted, by the reason
         self.stage_submitted: dict[str, int] = {}
         self._next_id = 0
         # evaluation episodes take ids of their own, so that they never shift the training
@@ -106,7 +117,8 @@ class RolloutDriver:
         self._next_eval_id = EVAL_ID_OFFSET
         self._stopping = False
         self.error_streak = 0
-        self._closing: list[Future] = []
+        self._closing: list[Future] = []  # env closes, held until done
+        self._close_worker: dict[str, str] = {}  # close key -> its worker
         # cohorts the driver gave up on (a worker lost, a turn past rollout.turn_timeout_s):
         # env_step key -> (reason, detail), read when the cancelled future comes back
         self._abandoned: dict[str, tuple[DropReason, str]] = {}
@@ -199,11 +211,12 @@ class RolloutDriver:
         shapes = [shape for _, shape in members]
         if len(recs) == 1:
             r = recs[0]
-            suffix = f"{r.traj_id}-{r.turn}-{r.attempt}"
+            suffix = f"{r.traj_id}-{r.turn}-{r.attempt}{self.key_tag}"
         else:
-            suffix = f"c{self._next_cohort}-{len(recs)}-0"
+            suffix = f"c{self._next_cohort}-{len(recs)}-0{self.key_tag}"
         self._next_cohort += 1
         st = self.stages
+        reset = None
         if fresh:
             reset = self._submit(
                 Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
@@ -231,6 +244,7 @@ class RolloutDriver:
         for i, r in enumerate(recs):
             r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
             r.kv_worker = dec_w
+            r.env_reset = reset  # until the turn comes back, a close must wait for it
         self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time(), step,
                                           dec, frozenset(workers), env_task)
         return step
@@ -247,6 +261,9 @@ class RolloutDriver:
             if worker in cohort.workers and key not in self._abandoned:
                 self._abandoned[key] = (DropReason.WORKER_LOST, detail)
                 lost.append(cohort.step)
+        # closes aimed at it will never run: forgotten, so that the end of the run does not wait
+        self._closing = [f for f in self._closing if f.key not in self._close_worker
+                         or self._close_worker[f.key] != worker]
         out = TurnOutcome()
         waiting, self._ready = self._ready, []
         held, self._held = self._held, []
@@ -328,6 +345,7 @@ class RolloutDriver:
             if isinstance(res, MemberError):
                 self._member_failed(rec, res.error, out, reason)
             else:
+                rec.env_reset = None
                 self._log_turn(rec, res, cohort, now)
                 self._member_stepped(rec, res, out)
         self._release_barrier()
@@ -391,6 +409,7 @@ class RolloutDriver:
                                  f"{error}")
         if rec.attempt + 1 < self.cfg.rollout.max_attempts and (not self._stopping
                                                                  or rec.evaluation):
+            self.restarts[str(reason)] += 1
             rec.attempt += 1
             rec.reset_record()
             self._restart(rec)
@@ -407,10 +426,13 @@ class RolloutDriver:
         if rec.handle is None or rec.handle.worker not in self.router.workers_by_tag.get(
                 str(Tag.CPU_ENV), []):
             return None  # never placed, or lost with its worker
-        fut = self._submit(Stage.ENV_CLOSE, with_registry, self.stages.env_close, rec.handle,
-                           worker=rec.handle.worker, env_task=rec.env_task.name,
-                           key=f"env_close-{rec.traj_id}-{rec.turn}-{rec.attempt}")
+        fut = self._submit(Stage.ENV_CLOSE, with_registry, close_after, self.stages.env_close,
+                           rec.handle, rec.env_reset, worker=rec.handle.worker,
+                           env_task=rec.env_task.name,
+                           key=f"env_close-{rec.traj_id}-{rec.turn}-{rec.attempt}"
+                               f"{self.key_tag}")
         self._closing.append(fut)  # held until done: a released future may never run
+        self._close_worker[fut.key] = rec.handle.worker
         return fut
 
     def close_all(self) -> None:
@@ -424,9 +446,14 @@ class RolloutDriver:
     def prune_closing(self) -> None:
         """Forget closes that ran; those aimed at a lost worker must not stall the run."""
         self._closing = [f for f in self._closing if not f.done()]
+        self._close_worker = {f.key: self._close_worker[f.key] for f in self._closing}
 
     def wait_closing(self, timeout: float = 60) -> None:
         try:
             wait(self._closing, timeout=timeout)
         except TimeoutError:
             logger.warning("%d environment closes did not finish", len(self._closing))
+        failed = [f for f in self._closing if f.status == "error"]
+        if failed:
+            logger.warning("%d environment closes failed, the first with %r", len(failed),
+                           failed[0].exception())

@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -98,12 +99,16 @@ class TrainingRun:
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
         self.spans = StageSpans(self.run_id)  # Fine Performance Metrics by env task and stage
+        # ends every task key: runs on one cluster (a notebook's) never share a key
+        key_tag = f"@{uuid.uuid4().hex[:6]}"
         self.driver = RolloutDriver(self.client, cfg, router, self.ledger, self.stages,
-                                    self.run_id, devices=self._worker_devices(), spans=self.spans)
+                                    self.run_id, devices=self._worker_devices(), spans=self.spans,
+                                    key_tag=key_tag)
         self.rewards = RewardDispatcher(self.client, cfg, router, self.ledger, self.stages,
-                                        self.run_id, self.batch_trajectories, spans=self.spans)
+                                        self.run_id, self.batch_trajectories, spans=self.spans,
+                                        key_tag=key_tag)
         self.collector = GroupCollector()
-        self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans)
+        self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans, key_tag)
         self.evaluator = Evaluator(cfg.env_tasks, cfg.eval.every_steps, cfg.eval.episodes,
                                    cfg.trainer.max_steps)
         self.loads_pending = 0
@@ -136,8 +141,10 @@ class TrainingRun:
         self._joining: dict[str, dict[str, float]] = {}  # inference workers loading weights
         self._empty_since: dict[Tag, float] = {}
         self._next_watchdog = 0.0
-        self._lost_at: float | None = None  # a worker left; cleared by the next train step
-        self.recoveries_s: list[float] = []  # from a worker's loss to the next train step
+        # a worker left (its time), until the next batch cut, whose step then ends the recovery
+        self._lost_at: float | None = None
+        self._recovering_since: float | None = None
+        self.recoveries_s: list[float] = []  # from a worker's loss to a step cut after it
         self.worker_changes: list[dict] = []
         self._restored_from: int | None = None
 
@@ -348,6 +355,8 @@ class TrainingRun:
                 self.events.track(f, FutureKind.TIME_SHARE)
                 self._pinned[f.key] = (w, f)
         self._training_ids = [int(t.traj_id) for t in d.trajectories]
+        # the first batch cut after a worker was lost: its step is the run making progress
+        self._recovering_since, self._lost_at = self._lost_at, None
         for tid in self._training_ids:
             self.ledger.transition(tid, TrajState.TRAINING)
         self.staleness_hist.update(d.staleness)
@@ -544,10 +553,10 @@ class TrainingRun:
             self.ledger.transition(tid, TrajState.TRAINED)
         self._training_ids = []
         faults = {}
-        if self._lost_at is not None:  # the first step since a worker was lost
-            self.recoveries_s.append(time.perf_counter() - self._lost_at)
+        if self._recovering_since is not None:  # a worker's loss to this step, cut after it
+            self.recoveries_s.append(time.perf_counter() - self._recovering_since)
             faults["faults/recovery_s"] = self.recoveries_s[-1]
-            self._lost_at = None
+            self._recovering_since = None
         if self._restored_from is not None:
             faults["train/restored_from"], self._restored_from = self._restored_from, None
         metrics = {"train/step": self.version, **stats.log("train"), **self.batch_info,
@@ -670,6 +679,10 @@ class TrainingRun:
                 "score_tasks": self.rewards.score_tasks,
                 "lost": self.rewards.lost()},
             "live_env_instances_at_end": live_envs,
+            "faults": {"worker_changes": self.worker_changes,
+                       "recovery_s": [round(s, 3) for s in self.recoveries_s],
+                       "restarted": dict(self.driver.restarts),
+                       "score_tasks_resent": sum(self.rewards.resent.values())},
             "turns": {"count": len(turns),
                       "wall_s_mean": sum(t[2] - t[1] for t in turns) / max(len(turns), 1),
                       "emulated_wait_s_mean": sum(t[3] for t in turns) / max(len(turns), 1)},

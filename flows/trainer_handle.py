@@ -20,8 +20,9 @@ from tasks.stages import Stages
 
 class TrainerHandle:
     def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages,
-                 spans: StageSpans | None = None):
+                 spans: StageSpans | None = None, key_tag: str = ""):
         self.client, self.stages = client, stages
+        self.key_tag = key_tag  # ends every key (see flows.rollout.RolloutDriver)
         self.spans = spans or StageSpans("run")
         # the trainer's worker; None while it is lost and no other worker carries the tag
         self.worker: str | None = cluster.workers_with(Tag.TRAINER)[0]
@@ -43,7 +44,8 @@ class TrainerHandle:
 
     def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
         with self.spans("trainer", stage.value):
-            return self.client.submit(with_trainer, fn, *args, key=key, workers=[self.worker],
+            return self.client.submit(with_trainer, fn, *args, key=key + self.key_tag,
+                                      workers=[self.worker],
                                       pure=False, resources=demand(stage))
 
     def train(self, batch: TrainBatch) -> Future:
@@ -65,7 +67,7 @@ class TrainerHandle:
         with self.spans("trainer", Stage.LOAD_WEIGHTS.value):
             return self.client.submit(
                 with_backend, self.stages.load_weights, self.snapshot,
-                key=f"{Stage.LOAD_WEIGHTS}-{version}-{self._restores}-{worker}",
+                key=f"{Stage.LOAD_WEIGHTS}-{version}-{self._restores}-{worker}{self.key_tag}",
                 workers=[worker], pure=False,
                 allow_other_workers=False,
                 resources=demand(Stage.LOAD_WEIGHTS, self.inference_workers[worker]))
@@ -76,7 +78,7 @@ class TrainerHandle:
         from resources.emulated import yield_to_training
 
         return [self.client.submit(with_backend, yield_to_training, seconds,
-                                   key=f"time_share-{version}-{i}", workers=[w], pure=False,
+                                   key=f"time_share-{version}-{i}{self.key_tag}", workers=[w], pure=False,
                                    allow_other_workers=False,
                                    resources=demand(Stage.LOAD_WEIGHTS, tag))
                 for i, (w, tag) in enumerate(self.inference_workers.items())]

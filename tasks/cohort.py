@@ -33,6 +33,14 @@ class MemberError:
         return cls(f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
+def close_after(registry: Any, env_close: Callable[..., bool], handle: Any,
+                created: Any = None) -> bool:
+    """``env_close`` of an instance, run once ``created`` (the reset that creates it, passed
+    as a future) has run: a trajectory abandoned while its reset was still running must not
+    leave the instance behind."""
+    return env_close(registry, handle)
+
+
 def pick(ref: Any) -> Any:
     """A member's value: ``(list, index)`` from an earlier cohort, or the value itself."""
     if isinstance(ref, tuple):

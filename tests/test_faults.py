@@ -1,0 +1,120 @@
+"""Faults on a real local cluster: a worker of each pool is killed (SIGKILL) in the middle of a
+run, its Nanny starts it again under a new address, and the run reaches its final step with
+every trajectory trained or dropped with its reason; a worker joining mid-run loads the current
+weights before it gets work. One shared cluster of worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flows.api import Session
+from flows.lifecycle import DropReason
+from resources.cluster import WORKER_ENV
+from resources.placement import placement_snapshot
+from resources.pools import Tag
+
+pytestmark = pytest.mark.integration
+
+QUIET = ["trainer.groups_per_step=2", "metrics.progress=false", "eval.every_steps=0"]
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0"])
+    yield s
+    s.close()
+
+
+def _kill_at_cut(run, tag: Tag, step: int) -> dict:
+    """SIGKILL the (first) worker advertising ``tag`` when the batch of ``step`` is cut: the
+    middle of the run, with turns, scores and the train step in flight."""
+    cluster = run.session.cluster
+    worker = cluster.workers_with(tag)[0]
+    pid = run.session.client.run(os.getpid, workers=[worker])[worker]
+    killed = {}
+
+    def kill(train_step: int, _trajectories) -> None:
+        if train_step == step and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.update(worker=worker, pid=pid)
+
+    run._run.batch_callbacks.append(kill)
+    return killed
+
+
+def _accounts_close(summary: dict) -> dict:
+    t = summary["trajectories"]
+    assert summary["policy_version"] == STEPS
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())  # nothing unaccounted
+    assert summary["live_env_instances_at_end"] == 0
+    return t
+
+
+@pytest.mark.parametrize("tag", [Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV,
+                                 Tag.SERVERLESS, Tag.TRAINER])
+def test_a_killed_worker_of_any_pool_does_not_stop_the_run(session, tag, tmp_path):
+    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}",
+                                 "trainer.checkpoint_every=1"],
+                      run_dir=tmp_path / str(tag))
+    killed = _kill_at_cut(run, tag, step=2)
+    run.train()
+    summary = run.close()
+    assert killed, "the kill did not happen"
+    t = _accounts_close(summary)
+    faults = summary["faults"]
+    changes = [(c["worker"], c["change"]) for c in faults["worker_changes"]]
+    assert (killed["worker"], "left") in changes
+    joined = [w for w, c in changes if c == "joined"]
+    assert joined and killed["worker"] not in joined  # the Nanny's new process
+    assert faults["recovery_s"] and faults["recovery_s"][0] > 0
+    # what was lost is named: restarted or dropped with the loss as the reason
+    lost = (faults["restarted"].get(str(DropReason.WORKER_LOST), 0)
+            + t["dropped"].get(str(DropReason.WORKER_LOST), 0)
+            + t["dropped"].get(str(DropReason.TRAINER_LOST), 0)
+            + faults["score_tasks_resent"])
+    if tag is Tag.TRAINER:
+        restored = [c for c in faults["worker_changes"] if c["change"] == "restored the trainer"]
+        assert restored and restored[0]["worker"] == joined[0]
+        steps = [r["train/step"] for r in run.rows.train]
+        assert steps == list(range(1, STEPS + 1))  # no version repeated or skipped
+    elif tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV):
+        assert lost > 0
+    if tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
+        serving = [c for c in faults["worker_changes"] if c["change"] == "serving"]
+        assert serving and serving[0]["worker"] == joined[0]  # loaded before it got work
+
+
+def test_a_worker_added_mid_run_loads_the_weights_then_gets_work(session, tmp_path):
+    """A second decode worker joins after the first step (``dask worker``, as a user adds
+    one): it loads the current version first, then takes decode work."""
+    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}"],
+                      run_dir=tmp_path / "grow")
+    run.train(1)
+    before = len(session.client.scheduler_info()["workers"])
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", session.client.scheduler.address,
+         "--name", "bandwidth-1", "--nthreads", "8", "--no-dashboard",
+         "--resources", f"{Tag.GPU_BANDWIDTH}=8"], env=os.environ | WORKER_ENV)
+    try:
+        session.client.wait_for_workers(before + 1, timeout=120)
+        run.train()
+        summary = run.close()
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    _accounts_close(summary)
+    changes = summary["faults"]["worker_changes"]
+    joined = [c["worker"] for c in changes if c["change"] == "joined"]
+    serving = [c for c in changes if c["change"] == "serving"]
+    assert joined and serving and serving[0]["worker"] == joined[0]
+    assert serving[0]["detail"].startswith("loaded v")
+    assert summary["workers"][joined[0]]["pool"] == "bandwidth"
+    placed = session.client.run_on_scheduler(placement_snapshot)
+    assert placed["decode"].get(joined[0], 0) > 0  # it got work
+    assert run._run.worker_versions[joined[0]] == STEPS
