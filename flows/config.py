@@ -31,6 +31,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -426,6 +427,73 @@ class MetricsConfig(_Strict):
                               "start and stop to task_stream.json (benchmark timelines)")
 
 
+class EnvFaults(_Strict):
+    crash_rate: float = Field(default=0.0, ge=0, lt=1, description="Share of environment "
+                              "resets and steps that raise (a sandbox that crashed)")
+    hang_rate: float = Field(default=0.0, ge=0, lt=1, description="Share of steps that stop "
+                             "answering for hang_s (for rollout.turn_timeout_s to notice)")
+    hang_s: float = Field(default=600, ge=0, description="How long a hung step is silent")
+    step_latency: dict[str, Any] | float | None = Field(
+        default=None, description="Extra latency of every step, a tasks.envs.latency.Latency "
+        "spec (e.g. {kind: heavy_tail, p50_s: 0.01, p99_over_p50: 50}: straggling sandboxes)")
+
+    @field_validator("step_latency")
+    @classmethod
+    def _latency(cls, v):
+        from tasks.envs.latency import Latency
+
+        Latency.of(v)  # raises ValueError naming what is wrong
+        return v
+
+    @property
+    def active(self) -> bool:
+        return bool(self.crash_rate or self.hang_rate or self.step_latency)
+
+
+class RewardFaults(_Strict):
+    """Faults of the local Lambda emulation (reward.emulator): each call draws one."""
+
+    throttle_rate: float = Field(default=0.0, ge=0, lt=1, description="Calls answered 429 "
+                                 "TooManyRequestsException (a throttling burst)")
+    error_5xx_rate: float = Field(default=0.0, ge=0, lt=1, description="Calls answered 500 "
+                                  "ServiceException")
+    timeout_rate: float = Field(default=0.0, ge=0, lt=1, description="Calls whose function "
+                                "times out: after timeout_s, Lambda's Sandbox.Timedout error")
+    timeout_s: float = Field(default=0.0, ge=0, description="How long a timed-out call runs")
+    function_error_rate: float = Field(default=0.0, ge=0, lt=1, description="Calls whose "
+                                       "function raises (HTTP 200, X-Amz-Function-Error)")
+    seed: int = Field(default=0, description="Seed of the draws")
+
+
+class FaultsConfig(_Strict):
+    """Faults injected on purpose: tests, and users' own drills."""
+
+    env: EnvFaults = Field(default_factory=EnvFaults, description="Every env task's "
+                           "environment wrapped in tasks.envs.latency.RemoteLatency")
+    reward: RewardFaults = Field(default_factory=RewardFaults, description="The Lambda "
+                                 "emulation's answers")
+    stragglers: dict[str, float] = Field(
+        default_factory=dict, description="Pool name -> slowdown factor (>= 1) of every "
+        "inference and environment task its workers run (a slow machine)")
+
+    @field_validator("stragglers")
+    @classmethod
+    def _factors(cls, v: dict[str, float]) -> dict[str, float]:
+        for pool, factor in v.items():
+            if factor < 1:
+                raise ValueError(f"stragglers.{pool}: a slowdown factor is >= 1, got {factor}")
+        return v
+
+    def env_spec(self, env: dict[str, Any]) -> dict[str, Any]:
+        """``env`` with the environment faults injected (itself when there are none)."""
+        e = self.env
+        if not e.active:
+            return env
+        return {COMPONENT: "tasks.envs.latency.RemoteLatency", "env": env,
+                "failure_rate": e.crash_rate, "hang_rate": e.hang_rate, "hang_s": e.hang_s,
+                "step_latency": e.step_latency}
+
+
 class TrainConfig(_Strict):
     """The training flow's configuration (flows/train.py)."""
 
@@ -443,6 +511,7 @@ class TrainConfig(_Strict):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -453,6 +522,11 @@ class TrainConfig(_Strict):
         if self.rollout.max_in_flight < biggest:
             raise ValueError(f"rollout.max_in_flight ({self.rollout.max_in_flight}) must hold "
                              f"a whole group ({biggest})")
+        pool_names = {p.name for p in self.cluster.pools}
+        for pool in self.faults.stragglers:
+            if pool not in pool_names:
+                raise ValueError(f"faults.stragglers.{pool}: no such pool; pools: "
+                                 f"{sorted(pool_names)}")
         for i, p in enumerate(self.cluster.pools):
             if p.profile not in CATALOG and p.profile not in self.affinity.profiles:
                 raise ValueError(f"cluster.pools.{i}.profile: unknown hardware profile "

@@ -68,7 +68,8 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
             raise ConfigError(str(exc)) from None
         emulator = LambdaEmulator.from_template(
             e.template, host=e.host, port=e.port, concurrency=e.concurrency,
-            latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region).start()
+            latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region,
+            faults=cfg.faults.reward.model_dump()).start()
     reward = cfg.reward.client_settings(emulator.url if emulator else None)
     try:
         for name in names:

@@ -99,6 +99,8 @@ class RolloutDriver:
         self.stages, self.run_id = stages, run_id
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
+        # each env task's environment, with the faults of faults.env injected
+        self.env_specs = {t.name: cfg.faults.env_spec(t.env) for t in cfg.env_tasks}
         # consecutive failed turns, retries included, before the run stops with the last error
         self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, cfg.batch_trajectories())
         # evaluation decodes greedily: the policy's best answer, not a sample
@@ -220,7 +222,7 @@ class RolloutDriver:
         if fresh:
             reset = self._submit(
                 Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
-                [r.env_task.env for r in recs], [r.seed for r in recs],
+                [self.env_specs[r.env_task.name] for r in recs], [r.seed for r in recs],
                 [r.handle.instance_id for r in recs], self.cfg.policy.system_prompt,
                 worker=env_w, key=f"env_reset-{suffix}", env_task=env_task)
             observations = [(reset, i) for i in range(len(recs))]

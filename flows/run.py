@@ -40,7 +40,7 @@ from flows.orchestration import (
 )
 from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver, TurnOutcome
-from flows.trainer_handle import TrainerHandle
+from flows.trainer_handle import TRAINER_CALL_TIMEOUT_S, TrainerHandle
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
 from resources.device_model import DeviceModel
@@ -78,6 +78,9 @@ class TrainingRun:
         if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
             raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
                              "reward_endpoint (flows.launch.start_reward_service starts it)")
+        # workers joining and leaving from now on; and those that did before (between runs)
+        self.membership = MembershipWatch(cluster.client)
+        cluster.refresh()
         for tag in Tag:
             if not cluster.workers_with(tag):
                 raise RuntimeError(f"no worker advertises the resource {tag}; start workers with "
@@ -134,8 +137,7 @@ class TrainingRun:
         self._train_future: Future | None = None
         self._training_ids: list[int] = []  # the batch of the running train step
         self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
-        # workers joining and leaving (set up in setup()); futures abandoned with a lost worker
-        self.membership: MembershipWatch | None = None
+        # futures abandoned with a lost worker
         self._abandoned: set[str] = set()
         self._pinned: dict[str, tuple[str, Future]] = {}  # load/time-share key -> worker
         self._joining: dict[str, dict[str, float]] = {}  # inference workers loading weights
@@ -185,7 +187,8 @@ class TrainingRun:
             hparams=cfg.trainer_hparams().model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg),
             pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
-            trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation()))
+            trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation(),
+            stragglers=cfg.faults.stragglers))
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             driver_state = Path(cfg.trainer.resume_from).parent / checkpoints.DRIVER_STATE
@@ -195,8 +198,7 @@ class TrainingRun:
                 self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
         for w, f in self.trainer.sync_weights(self.version).items():
-            self.worker_versions[w] = f.result()
-        self.membership = MembershipWatch(self.client)
+            self.worker_versions[w] = f.result(timeout=self.cfg.cluster.startup_timeout_s)
 
     @property
     def trainer_busy(self) -> bool:
@@ -593,7 +595,8 @@ class TrainingRun:
     def checkpoint_now(self) -> Path:
         """A checkpoint of the current version, written before returning (a graceful stop)."""
         directory = checkpoints.step_dir(self.run_dir, self.version)
-        self.trainer.checkpoint(str(directory), self.version).result()
+        self.trainer.checkpoint(str(directory), self.version).result(
+            timeout=TRAINER_CALL_TIMEOUT_S)
         self._finish_checkpoint(directory, self.driver_state())
         return directory
 

@@ -18,6 +18,10 @@ from tasks.records import TrainBatch
 from tasks.stages import Stages
 
 
+# the longest the driver waits on one call to the trainer (a resume, a save): never for ever
+TRAINER_CALL_TIMEOUT_S = 600
+
+
 class TrainerHandle:
     def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages,
                  spans: StageSpans | None = None, key_tag: str = ""):
@@ -91,10 +95,10 @@ class TrainerHandle:
     def resume(self, checkpoint: str) -> int:
         """Restore the trainer from a checkpoint; the version it resumes at."""
         return self._on_trainer(Stage.TRAIN_STEP, self.stages.load_checkpoint, checkpoint,
-                                key="resume-0").result()
+                                key="resume-0").result(timeout=TRAINER_CALL_TIMEOUT_S)
 
     def restore(self, worker: str, checkpoint: str | None, version: int,
-                timeout: float = 300) -> None:
+                timeout: float = TRAINER_CALL_TIMEOUT_S) -> None:
         """The trainer's worker was lost: rebuild the trainer on ``worker`` from
         ``checkpoint`` (weights, optimiser, schedule, random states; None: the initial
         weights, when nothing was trained) and have it go on numbering at ``version``, so
@@ -108,7 +112,8 @@ class TrainerHandle:
     def save(self, run_dir: str, version: int) -> str:
         """The final policy (Hugging Face directory) and a resumable checkpoint."""
         return self._on_trainer(Stage.SAVE_CHECKPOINT, self.stages.save_checkpoint, run_dir,
-                                key=f"{Stage.SAVE_CHECKPOINT}-{version}").result()
+                                key=f"{Stage.SAVE_CHECKPOINT}-{version}"
+                                ).result(timeout=TRAINER_CALL_TIMEOUT_S)
 
 
 def restore_at(trainer, load_checkpoint, checkpoint: str | None, version: int) -> int:

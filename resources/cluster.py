@@ -40,6 +40,18 @@ class ClusterHandle:
     def slots(self, tag: Tag) -> int:
         return int(sum(r.get(str(tag), 0) for r in self.worker_tags.values()))
 
+    def refresh(self) -> None:
+        """Catch up with workers that left or joined while no run was watching (between a
+        session's runs): the scheduler's view, tags read from the workers' resources."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        for address in set(self.worker_tags) - set(info):
+            self.remove_worker(address)
+        names = {t.value for t in Tag}
+        for address, w in info.items():
+            tags = {k: v for k, v in (w.get("resources") or {}).items() if k in names and v > 0}
+            if address not in self.worker_tags and tags:
+                self.add_worker(address, str(w.get("name", address)), tags)
+
     def add_worker(self, address: str, name: str, tags: dict[str, float]) -> None:
         """A worker joined during the run, with its RollArc tags."""
         self.worker_tags[address] = dict(tags)

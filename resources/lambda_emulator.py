@@ -33,6 +33,7 @@ import io
 import json
 import logging
 import os
+import random
 import re
 import struct
 import subprocess
@@ -273,7 +274,8 @@ class LambdaEmulator:
                  concurrency: int = 4, latency_s: float = 0.0, init_delay_s: float = 0.0,
                  sync_payload_limit: int = SYNC_PAYLOAD_LIMIT,
                  async_payload_limit: int = ASYNC_PAYLOAD_LIMIT, region: str = "us-east-1",
-                 account: str = "000000000000", init_timeout_s: float = 120.0):
+                 account: str = "000000000000", init_timeout_s: float = 120.0,
+                 faults: dict | None = None):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.functions = {f.name: _Function(f, concurrency, init_timeout_s) for f in functions}
@@ -287,6 +289,9 @@ class LambdaEmulator:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._events: list[threading.Thread] = []
+        # injected faults (FaultsConfig.reward's fields): rates of each kind, one draw per call
+        self.faults = dict(faults or {})
+        self._fault_rng = random.Random(self.faults.get("seed", 0))
 
     @classmethod
     def from_template(cls, template: str | Path | None = None, **kwargs) -> LambdaEmulator:
@@ -349,6 +354,19 @@ class LambdaEmulator:
             self._stats[key] += n
 
     # -- invocation --------------------------------------------------------------------------
+    def draw_fault(self) -> str | None:
+        """The fault injected into the next synchronous call, if any (counted in stats)."""
+        f = self.faults
+        with self._lock:
+            u = self._fault_rng.random()
+        for kind in ("throttle", "error_5xx", "timeout", "function_error"):
+            rate = float(f.get(f"{kind}_rate", 0.0))
+            if u < rate:
+                self._count(f"injected_{kind}")
+                return kind
+            u -= rate
+        return None
+
     def arn(self, name: str) -> str:
         return f"arn:aws:lambda:{self.region}:{self.account}:function:{name}"
 
@@ -469,6 +487,25 @@ class _InvokeHandler(BaseHTTPRequestHandler):
             em._count("event")
             em.run_event(fn, payload, request_id)
             return self._reply(202, b"", {"x-amzn-RequestId": request_id})
+        fault = em.draw_fault() if em.faults else None
+        if fault == "throttle":
+            return self._error(429, "TooManyRequestsException", "Rate Exceeded.", request_id,
+                               {"Reason": "ConcurrentInvocationLimitExceeded"},
+                               {"Retry-After": "1"})
+        if fault == "error_5xx":
+            return self._error(500, "ServiceException", "Internal error (injected).",
+                               request_id)
+        if fault in ("function_error", "timeout"):
+            message, error_type = "injected function error", "InjectedFault"
+            if fault == "timeout":  # the function ran past its Timeout: Lambda's answer
+                seconds = float(em.faults.get("timeout_s", 0.0))
+                time.sleep(seconds)
+                message = f"{request_id} Task timed out after {seconds:.2f} seconds"
+                error_type = "Sandbox.Timedout"
+            body = json.dumps({"errorMessage": message, "errorType": error_type,
+                               "requestId": request_id, "stackTrace": []})
+            return self._reply(200, body.encode(), {
+                "x-amzn-RequestId": request_id, "X-Amz-Function-Error": "Unhandled"})
         if not fn.slots.acquire(blocking=False):
             em._count("throttles")
             return self._error(429, "TooManyRequestsException", "Rate Exceeded.", request_id,

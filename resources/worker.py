@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
                  reward: dict | None = None, reward_functions: dict[str, Any] | None = None,
                  pool_hardware: dict[str, tuple[dict, int]] | None = None,
                  default_pool: str | None = None, trainer_gpus: int | None = None,
-                 emulation: dict | None = None):
+                 emulation: dict | None = None, stragglers: dict[str, float] | None = None):
         self.policy_spec = policy
         self.backend_spec = backend or {COMPONENT: "resources.engine.hf_backend"}
         self.trainer_spec = trainer or {COMPONENT: "tasks.trainer.policy_trainer"}
@@ -67,6 +68,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
         self.default_pool = default_pool
         self.trainer_gpus = trainer_gpus
         self.emulation = emulation
+        self.stragglers = dict(stragglers or {})  # pool -> slowdown factor (injected faults)
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
@@ -80,6 +82,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
         self.engine_max_batch = max(1, int(worker.state.nthreads))
         self.worker_name = str(worker.name)
         pool = self.worker_name.rsplit("-", 1)[0]
+        self.slowdown = float(self.stragglers.get(pool, 1.0))
         profile, self.gpus = self.pool_hardware.get(
             pool, self.pool_hardware.get(self.default_pool, (None, 1)))
         self.hardware = HardwareProfile(**profile) if profile else None
@@ -186,15 +189,26 @@ def _plugin() -> RollArcWorkerPlugin:
     return get_worker().plugins[PLUGIN_NAME]
 
 
+def _straggling(p: RollArcWorkerPlugin, call):
+    """A straggler (faults.stragglers): the call takes ``slowdown`` times as long."""
+    if p.slowdown <= 1.0:
+        return call()
+    t0 = time.perf_counter()
+    out = call()
+    time.sleep((p.slowdown - 1.0) * (time.perf_counter() - t0))
+    return out
+
+
 def with_backend(fn, *args, **kwargs):
     """Call ``fn(backend, *args)`` with this worker's inference backend."""
-    return fn(_plugin().backend, *args, **kwargs)
+    p = _plugin()
+    return _straggling(p, lambda: fn(p.backend, *args, **kwargs))
 
 
 def with_envs(fn, *args, **kwargs):
     """Call ``fn(registry, tokenizer, *args)`` with this worker's environments."""
     p = _plugin()
-    return fn(p.envs, p.tokenizer, *args, **kwargs)
+    return _straggling(p, lambda: fn(p.envs, p.tokenizer, *args, **kwargs))
 
 
 def with_registry(fn, *args, **kwargs):

@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from flows.api import Session
-from flows.lifecycle import DropReason
+from flows.lifecycle import DropReason, TrajState
 from resources.cluster import WORKER_ENV
 from resources.placement import placement_snapshot
 from resources.pools import Tag
@@ -118,3 +119,57 @@ def test_a_worker_added_mid_run_loads_the_weights_then_gets_work(session, tmp_pa
     placed = session.client.run_on_scheduler(placement_snapshot)
     assert placed["decode"].get(joined[0], 0) > 0  # it got work
     assert run._run.worker_versions[joined[0]] == STEPS
+
+
+def _watch_scores(counts):
+    """on_transition: how many times each trajectory was given a reward (-> in_group)."""
+    def on_transition(t, _ledger) -> None:
+        if t.new is TrajState.IN_GROUP:
+            counts[t.traj_id] += 1
+    return on_transition
+
+
+def test_environment_crashes_hangs_and_a_straggling_pool_are_survived(session, tmp_path):
+    """Crashing and hanging environments (the watchdog gives up on a silent turn and names
+    it), straggling sandboxes, and a decode pool three times slower than it should be."""
+    scored = Counter()
+    run = session.run(overrides=[
+        *QUIET, f"trainer.max_steps={STEPS}", "rollout.max_attempts=3",
+        "faults.env.crash_rate=0.03", "faults.env.hang_rate=0.05", "faults.env.hang_s=20",
+        "rollout.turn_timeout_s=3",
+        "faults.env.step_latency={kind: heavy_tail, p50_s: 0.002, p99_over_p50: 100}",
+        "faults.stragglers={bandwidth: 3}"],
+        run_dir=tmp_path / "env", on_transition=_watch_scores(scored))
+    run.train()
+    summary = run.close()
+    t = _accounts_close(summary)
+    restarted = summary["faults"]["restarted"]
+    assert restarted.get(str(DropReason.ROLLOUT_ERROR), 0) > 0  # crashes, restarted
+    assert restarted.get(str(DropReason.TURN_TIMEOUT), 0) > 0  # hangs, given up on
+    # a hang's details name the environment that stopped answering
+    named = [d["detail"] for d in summary["drop_details"] if d["reason"] == "turn_timeout"]
+    assert all("did not answer" in d for d in named)
+    assert max(scored.values()) == 1 and sum(scored.values()) >= t["trained"]
+
+
+def test_reward_service_faults_score_every_trajectory_once_or_drop_it(session, tmp_path):
+    """Throttling, 5xx, function errors and function timeouts from the Lambda emulation: each
+    finished trajectory is scored exactly once or dropped with the reason."""
+    scored = Counter()
+    run = session.run(overrides=[
+        *QUIET, f"trainer.max_steps={STEPS}", "faults.reward.throttle_rate=0.15",
+        "faults.reward.error_5xx_rate=0.1", "faults.reward.function_error_rate=0.1",
+        "faults.reward.timeout_rate=0.05", "faults.reward.timeout_s=0.5",
+        "faults.reward.seed=30"],  # its first 8 calls draw every kind of fault
+        run_dir=tmp_path / "reward", on_transition=_watch_scores(scored))
+    run.train()
+    injected = run._own_service.stats()
+    summary = run.close()
+    t = _accounts_close(summary)
+    assert all(injected.get(f"injected_{kind}", 0) > 0
+               for kind in ("throttle", "error_5xx", "timeout", "function_error")), injected
+    assert summary["reward"]["function_errors"] > 0
+    assert max(scored.values()) == 1  # never scored twice
+    dropped_in_scoring = sum(v for k, v in t["dropped"].items() if k.startswith("reward_"))
+    assert t["finished"] >= sum(scored.values()) + dropped_in_scoring - t["dropped"].get(
+        "reward_task_lost", 0)

@@ -305,11 +305,12 @@ def _signal_after_steps(run_dir, args, sig, steps: int):
     return proc, out, err
 
 
-def test_ctrl_c_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
-    """SIGINT mid-run: the work in flight is cancelled, environments closed, the summary
-    written with the interrupted trajectories counted, exit code 130, no hang."""
+def test_sigterm_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
+    """SIGTERM (a batch system's stop; the same as Ctrl-C) mid-run: the work in flight is
+    cancelled, environments closed, the summary written with the interrupted trajectories
+    counted, exit code 130, no hang."""
     run_dir = tmp_path / "run"
-    proc, out, err = _signal_after_steps(run_dir, ["trainer.max_steps=500"], signal.SIGINT, 1)
+    proc, out, err = _signal_after_steps(run_dir, ["trainer.max_steps=500"], signal.SIGTERM, 1)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert "interrupted" in err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -320,13 +321,14 @@ def test_ctrl_c_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path):
     assert summary["live_env_instances_at_end"] == 0
 
 
-def test_sigterm_checkpoints_and_resume_continues_the_same_run(tmp_path):
-    """SIGTERM stops gracefully with a checkpoint of the last trained step; --resume RUN_DIR
-    continues from it, and metrics.jsonl goes on without duplicated or missing steps."""
+def test_ctrl_c_checkpoints_and_resume_continues_the_same_run(tmp_path):
+    """Ctrl-C (SIGINT) stops gracefully with a checkpoint of the last trained step; --resume
+    RUN_DIR continues from it, and metrics.jsonl goes on without duplicated or missing
+    steps."""
     run_dir = tmp_path / "run"
     proc, out, err = _signal_after_steps(
         run_dir, ["trainer.max_steps=500", "trainer.checkpoint_every=1000",
-                  "trainer.groups_per_step=2", "eval.every_steps=0"], signal.SIGTERM, 2)
+                  "trainer.groups_per_step=2", "eval.every_steps=0"], signal.SIGINT, 2)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     saved = sorted((run_dir / "checkpoints").glob("step-*"))

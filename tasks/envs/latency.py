@@ -17,6 +17,8 @@ environments whose cost is local computation; ``time_scale`` (the run's ``engine
 given by the worker) shrinks every wait by one factor. ``failure_rate`` makes a call raise
 :class:`RemoteEnvError` (a sandbox that crashed or timed out); the flow retries the trajectory
 from a fresh environment and records a drop with the reason when attempts run out.
+``hang_rate`` makes a step stop answering for ``hang_s`` (unscaled: a hang is not emulated
+time), for the run's turn watchdog (``rollout.turn_timeout_s``) to notice.
 """
 
 from __future__ import annotations
@@ -96,10 +98,12 @@ class RemoteLatency:
     @staticmethod
     def check_config(env: dict[str, Any], step_latency: dict | float | None = None,
                      reset_latency: dict | float | None = None, failure_rate: float = 0.0,
-                     **_) -> None:
+                     hang_rate: float = 0.0, hang_s: float = 600.0, **_) -> None:
         """Argument checks, the wrapped environment's included, without building anything."""
         if not 0.0 <= failure_rate < 1.0:
             raise ValueError("failure_rate must be in [0, 1)")
+        if not 0.0 <= hang_rate < 1.0 or hang_s < 0:
+            raise ValueError("hang_rate must be in [0, 1) and hang_s >= 0")
         Latency.of(step_latency), Latency.of(reset_latency)
         try:
             check_component(env)
@@ -108,9 +112,10 @@ class RemoteLatency:
 
     def __init__(self, env: dict[str, Any], step_latency: dict | float | None = None,
                  reset_latency: dict | float | None = None, failure_rate: float = 0.0,
-                 cpu_work: bool = False, seed: int = 0, time_scale: float = 1.0):
-        if not 0.0 <= failure_rate < 1.0:
-            raise ValueError("failure_rate must be in [0, 1)")
+                 cpu_work: bool = False, seed: int = 0, time_scale: float = 1.0,
+                 hang_rate: float = 0.0, hang_s: float = 600.0):
+        self.check_config(env, step_latency, reset_latency, failure_rate, hang_rate, hang_s)
+        self.hang_rate, self.hang_s = hang_rate, hang_s
         self.inner = instantiate(env)
         self.step_latency, self.reset_latency = Latency.of(step_latency), Latency.of(reset_latency)
         self.failure_rate, self.cpu_work, self.seed = failure_rate, cpu_work, seed
@@ -134,6 +139,8 @@ class RemoteLatency:
         return obs, dict(info, remote_latency_s=waited)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.hang_rate and self._rng.random() < self.hang_rate:
+            time.sleep(self.hang_s)  # stops answering; the turn watchdog gives up on it
         waited = self._call(self.step_latency, "step")
         obs, reward, terminated, truncated, info = self.inner.step(action)
         return obs, reward, terminated, truncated, dict(info, remote_latency_s=waited)
