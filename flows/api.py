@@ -60,7 +60,7 @@ from flows.monitor import (
     register_page_before_start,
 )
 from flows.plot import draw_curves
-from flows.run import TrainingRun
+from flows.run import PoolLost, TrainingRun
 from resources.cluster import ClusterHandle, connect
 from resources.lambda_emulator import LambdaEmulator
 from tasks.stages import Stages
@@ -273,8 +273,12 @@ class Run:
             with ProgressLine(self.cfg.trainer.max_steps, self._progress) as line:
                 done = self._run.train(line, until=target)
         except BaseException as exc:
-            self._stop(RunStatus.INTERRUPTED if isinstance(exc, KeyboardInterrupt)
-                       else RunStatus.FAILED)
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            # a checkpoint to --resume from: after an interrupt (when checkpointing is on) and
+            # when a pool stayed empty (the cluster will be fixed and the run go on)
+            self._stop(RunStatus.INTERRUPTED if interrupted else RunStatus.FAILED,
+                       checkpoint=isinstance(exc, PoolLost) or (
+                           interrupted and bool(self.cfg.trainer.checkpoint_every)))
             raise
         self.status = RunStatus.TRAINED if done else RunStatus.PAUSED
         return self.metrics()
@@ -318,7 +322,7 @@ class Run:
         self._run.save()
         return self._finish(RunStatus.FINISHED if trained else RunStatus.CLOSED)
 
-    def _stop(self, status: RunStatus) -> None:
+    def _stop(self, status: RunStatus, checkpoint: bool = False) -> None:
         """Train failed or was interrupted: cancel the run's work, drop its trajectories with
         the reason, write what can be written. Errors here are logged, never raised over the
         one that stopped the run."""
@@ -328,8 +332,10 @@ class Run:
             DropReason.RUN_ENDED
         try:
             self._run.abort(reason)
-            if status is RunStatus.INTERRUPTED and self.cfg.trainer.checkpoint_every:
-                self._run.checkpoint_now()  # --resume continues from here
+            if checkpoint and self._run.trainer.worker is not None:
+                where = self._run.checkpoint_now()
+                logger.warning("checkpoint %s written: continue with --resume %s", where,
+                               self.run_dir)
             self._finish(status)
         except Exception as exc:
             logger.warning("run %s: could not finish cleanly: %s", self.run_dir, exc)

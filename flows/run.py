@@ -409,16 +409,11 @@ class TrainingRun:
         return [w for w, tags in self._joining.items() if tags.get(str(tag), 0) > 0]
 
     def _stop_on_empty_pool(self, tag: Tag, seconds: float) -> None:
-        where = ""
-        if self.trainer.worker is not None and not self.trainer_busy:
-            try:
-                where = f"; checkpoint {self.checkpoint_now()} (continue with --resume " \
-                        f"{self.run_dir})"
-            except Exception as exc:
-                where = f"; no checkpoint: {exc!r}"
+        """Rather than wait for ever: the run stops (the caller writes a checkpoint when the
+        trainer is there to write it)."""
         raise PoolLost(f"no worker has advertised {tag} for {seconds:.0f} s "
                        f"(cluster.pool_empty_timeout_s={self.cfg.cluster.pool_empty_timeout_s:g})"
-                       f" at policy version {self.version}{where}")
+                       f" at policy version {self.version}")
 
     def _note_change(self, what: str, worker: str, detail: str = "") -> None:
         pool = self.cluster.worker_pool.get(worker, "?")

@@ -17,7 +17,6 @@ from resources.worker import with_backend, with_trainer
 from tasks.records import TrainBatch
 from tasks.stages import Stages
 
-
 # the longest the driver waits on one call to the trainer (a resume, a save): never for ever
 TRAINER_CALL_TIMEOUT_S = 600
 

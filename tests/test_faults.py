@@ -13,8 +13,9 @@ from collections import Counter
 
 import pytest
 
-from flows.api import Session
+from flows.api import RunStatus, Session
 from flows.lifecycle import DropReason, TrajState
+from flows.run import PoolLost
 from resources.cluster import WORKER_ENV
 from resources.placement import placement_snapshot
 from resources.pools import Tag
@@ -173,3 +174,25 @@ def test_reward_service_faults_score_every_trajectory_once_or_drop_it(session, t
     dropped_in_scoring = sum(v for k, v in t["dropped"].items() if k.startswith("reward_"))
     assert t["finished"] >= sum(scored.values()) + dropped_in_scoring - t["dropped"].get(
         "reward_task_lost", 0)
+
+
+def test_a_pool_left_empty_stops_the_run_with_a_checkpoint_instead_of_hanging(tmp_path):
+    """The reward pool's only worker is retired for good: past cluster.pool_empty_timeout_s
+    the run stops with one line naming the pool, and a checkpoint to resume from."""
+    session = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0",
+                                       "cluster.processes=false"])
+    try:
+        run = session.run(overrides=[*QUIET, "trainer.max_steps=50",
+                                     "cluster.pool_empty_timeout_s=2"], run_dir=tmp_path / "r")
+        run.train(1)
+        reward_worker = session.cluster.workers_with(Tag.SERVERLESS)[0]
+        session.client.retire_workers(workers=[reward_worker], close_workers=True)
+        with pytest.raises(PoolLost, match=f"no worker has advertised {Tag.SERVERLESS} for"):
+            run.train()
+        assert run.status is RunStatus.FAILED
+        saved = sorted((tmp_path / "r" / "checkpoints").glob("step-*"))
+        assert saved and (saved[-1] / "driver.json").is_file()
+        t = run.summary["trajectories"]
+        assert t["started"] == t["trained"] + sum(t["dropped"].values())
+    finally:
+        session.close()
