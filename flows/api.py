@@ -63,6 +63,7 @@ from flows.plot import draw_curves
 from flows.run import PoolLost, TrainingRun
 from resources.cluster import ClusterHandle, connect
 from resources.lambda_emulator import LambdaEmulator
+from tasks.components import check_component
 from tasks.stages import Stages
 
 logger = logging.getLogger(__name__)
@@ -282,6 +283,20 @@ class Run:
             raise
         self.status = RunStatus.TRAINED if done else RunStatus.PAUSED
         return self.metrics()
+
+    def update_env(self, env_task: str, env: dict) -> None:
+        """Replace an env task's environment (a ``_component_`` spec) for the trajectories
+        started from now on, while the run goes on: the mix's cost changes mid-run (those
+        already rolling out keep theirs)::
+
+            run.update_env("frozenlake", {"_component_": "tasks.envs.latency.RemoteLatency",
+                                          "env": cfg_env, "step_latency": 0.3})
+        """
+        specs = self._run.driver.env_specs
+        if env_task not in specs:
+            raise KeyError(f"no env task {env_task!r}; env tasks: {sorted(specs)}")
+        check_component(env)
+        specs[env_task] = self.cfg.faults.env_spec(env)
 
     def metrics(self, kind: str = "train"):
         """The run's rows as a pandas DataFrame: ``train`` (indexed by ``train/step``) or

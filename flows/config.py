@@ -353,6 +353,28 @@ class TLSConfig(_Strict):
                            for part, path in pair.items()})
 
 
+class AdaptiveEnvConfig(_Strict):
+    enabled: bool = Field(default=False, description="Scale the environment pool with demand "
+                          "(embedded local cluster): add CPU_ENV workers when environment work "
+                          "fills the pool, retire idle ones once their live instances are done")
+    min_workers: int = Field(default=1, ge=1, description="Fewest environment workers")
+    max_workers: int = Field(default=4, ge=1, description="Most environment workers")
+    high: float = Field(default=0.7, gt=0, description="Add a worker above this share of the "
+                        "pool's slots busy with environment steps (mean over window_s)")
+    low: float = Field(default=0.25, ge=0, description="Retire a worker below this share")
+    window_s: float = Field(default=5.0, gt=0, description="Window of the busy share")
+    cooldown_s: float = Field(default=5.0, ge=0, description="Wait after a change")
+
+    @model_validator(mode="after")
+    def _order(self) -> AdaptiveEnvConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) exceeds max_workers "
+                             f"({self.max_workers})")
+        return self
+
+
 class ClusterConfig(_Strict):
     pools: list[PoolSpec] = Field(description="Pools of the embedded local cluster")
     monolithic_workers: int | None = Field(default=None, ge=1, description="Workers of the "
@@ -367,6 +389,7 @@ class ClusterConfig(_Strict):
     dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
     processes: bool = Field(default=True, description="Workers in separate processes (Nanny)")
     startup_timeout_s: float = Field(default=120, gt=0, description="Wait for workers")
+    adaptive_env: AdaptiveEnvConfig = Field(default_factory=AdaptiveEnvConfig)
     pool_empty_timeout_s: float = Field(
         default=300, gt=0, description="A pool (resource tag) left without any worker this long "
         "stops the run with a checkpoint (when the trainer is alive) instead of waiting on")

@@ -220,6 +220,21 @@ class Router:
             self.load[worker] -= 1
 
 
+def env_pool_change(busy: float, workers: int, draining: int, min_workers: int,
+                    max_workers: int, high: float, low: float) -> int:
+    """The adaptive environment pool: +1 (add a worker) when the environment work fills more
+    than ``high`` of the pool's slots, -1 (drain one) below ``low`` of them, else 0. ``busy`` is
+    the mean number of environment steps running, over the pool's slots; a pool still draining
+    a worker changes nothing until that worker is gone."""
+    if draining:
+        return 0
+    if busy > high and workers < max_workers:
+        return 1
+    if busy < low and workers > min_workers:
+        return -1
+    return 0
+
+
 def sample_env_task(weights: list[float], rng: random.Random) -> int:
     """Index of the env task of the next group, drawn by the mix weights."""
     return rng.choices(range(len(weights)), weights=weights, k=1)[0]

@@ -112,6 +112,8 @@ class RolloutDriver:
         self._next_cohort = 0
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.restarts: Counter[str] = Counter()  # trajectories restarted, by the reason
+        self.env_seconds = 0.0  # environment step time of every finished turn, summed
+        self.lost_workers: set[str] = set()
         self.stage_submitted: dict[str, int] = {}
         self._next_id = 0
         # evaluation episodes take ids of their own, so that they never shift the training
@@ -258,6 +260,7 @@ class RolloutDriver:
         they come back), and the waiting trajectories whose environment or cache lived there
         restart now (or drop, in the outcome)."""
         detail = f"{DropReason.WORKER_LOST}: {worker}"
+        self.lost_workers.add(worker)
         lost = []
         for key, cohort in self._cohorts.items():
             if worker in cohort.workers and key not in self._abandoned:
@@ -355,6 +358,7 @@ class RolloutDriver:
 
     def _log_turn(self, rec: RolloutRecord, obs: EnvObservation, cohort: _Cohort,
                   now: float) -> None:
+        self.env_seconds += obs.step_seconds
         shape = rec.last_shape
         self.lengths.record(rec.env_task.name, obs.sample.virtual_tokens - shape.prompt_tokens
                             if shape is not None else len(obs.sample.token_ids))
@@ -423,10 +427,14 @@ class RolloutDriver:
         del self.live[rec.traj_id]
         self.ledger.drop(rec.traj_id, reason, detail)
 
+    def holds(self, worker: str) -> bool:
+        """Live trajectories have environment instances on ``worker`` (or closes pending)."""
+        return (any(r.env_worker == worker for r in self.live.values())
+                or any(w == worker for w in self._close_worker.values()))
+
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
-        if rec.handle is None or rec.handle.worker not in self.router.workers_by_tag.get(
-                str(Tag.CPU_ENV), []):
+        if rec.handle is None or rec.handle.worker in self.lost_workers:
             return None  # never placed, or lost with its worker
         fut = self._submit(Stage.ENV_CLOSE, with_registry, close_after, self.stages.env_close,
                            rec.handle, rec.env_reset, worker=rec.handle.worker,

@@ -25,6 +25,7 @@ from distributed import Future
 from flows import checkpoints
 from flows.config import TrainConfig, reward_callables
 from flows.dispatch import Dispatch
+from flows.elastic import EnvPoolScaler
 from flows.evaluation import Evaluator
 from flows.events import Event, EventLoop, FutureKind
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
@@ -112,6 +113,7 @@ class TrainingRun:
                                         key_tag=key_tag)
         self.collector = GroupCollector()
         self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans, key_tag)
+        self.scaler = self._env_scaler()
         self.evaluator = Evaluator(cfg.env_tasks, cfg.eval.every_steps, cfg.eval.episodes,
                                    cfg.trainer.max_steps)
         self.loads_pending = 0
@@ -149,6 +151,28 @@ class TrainingRun:
         self.recoveries_s: list[float] = []  # from a worker's loss to a step cut after it
         self.worker_changes: list[dict] = []
         self._restored_from: int | None = None
+
+    def _env_scaler(self) -> EnvPoolScaler | None:
+        """cluster.adaptive_env on the embedded cluster: the environment pool's scaler."""
+        c = self.cfg.cluster.adaptive_env
+        if not c.enabled:
+            return None
+        if self.cluster.cluster is None:
+            logger.warning("cluster.adaptive_env needs the embedded cluster: ignored")
+            return None
+        env_workers = self.cluster.workers_with(Tag.CPU_ENV)
+        pool = self.cluster.worker_pool[env_workers[0]]
+        router = self.driver.router
+
+        def names(address: str) -> str:
+            return str(self.client.scheduler_info(n_workers=-1)["workers"][address]["name"])
+
+        return EnvPoolScaler(
+            c, self.cluster.cluster, pool, lambda: self.driver.env_seconds,
+            lambda: {w: self.cluster.worker_tags[w][str(Tag.CPU_ENV)]
+                     for w in router.workers_by_tag.get(str(Tag.CPU_ENV), [])
+                     if self.cluster.worker_pool.get(w) == pool},
+            self.driver.holds, router.remove, names)
 
     def _pool_slots(self) -> int:
         """Slots of the smallest rollout pool: a rolling-out trajectory holds at most one task
@@ -395,6 +419,8 @@ class TrainingRun:
             return
         self._next_watchdog = now + WATCHDOG_EVERY_S
         self._cancel(self.driver.overdue(self.cfg.rollout.turn_timeout_s))
+        if self.scaler is not None:
+            self.scaler.step(now)
         for tag in Tag:
             present = (self.trainer.worker is not None if tag is Tag.TRAINER
                        else self.driver.router.has(str(tag)) or bool(self._joining_with(tag)))
@@ -433,6 +459,11 @@ class TrainingRun:
         tags = self.cluster.remove_worker(worker)
         if not tags:
             return  # not one of the run's workers
+        if self.scaler is not None and worker in self.scaler.retired:  # drained, not lost
+            self.driver.router.remove(worker)
+            self._note_change("retired", worker)
+            self.pool_slots = self._pool_slots()
+            return
         self._note_change("left", worker, ", ".join(sorted(tags)))
         if self._lost_at is None:
             self._lost_at = change.at
@@ -681,6 +712,8 @@ class TrainingRun:
                        "recovery_s": [round(s, 3) for s in self.recoveries_s],
                        "restarted": dict(self.driver.restarts),
                        "score_tasks_resent": sum(self.rewards.resent.values())},
+            "env_pool": [] if self.scaler is None else [
+                dict(h, at=round(h["at"] - t0, 2)) for h in self.scaler.history],
             "turns": {"count": len(turns),
                       "wall_s_mean": sum(t[2] - t[1] for t in turns) / max(len(turns), 1),
                       "emulated_wait_s_mean": sum(t[3] for t in turns) / max(len(turns), 1)},

@@ -50,9 +50,9 @@ def _kill_at_cut(run, tag: Tag, step: int) -> dict:
     return killed
 
 
-def _accounts_close(summary: dict) -> dict:
+def _accounts_close(summary: dict, steps: int = STEPS) -> dict:
     t = summary["trajectories"]
-    assert summary["policy_version"] == STEPS
+    assert summary["policy_version"] == steps
     assert t["started"] == t["trained"] + sum(t["dropped"].values())  # nothing unaccounted
     assert summary["live_env_instances_at_end"] == 0
     return t
@@ -196,3 +196,38 @@ def test_a_pool_left_empty_stops_the_run_with_a_checkpoint_instead_of_hanging(tm
         assert t["started"] == t["trained"] + sum(t["dropped"].values())
     finally:
         session.close()
+
+
+def test_the_environment_pool_grows_with_demand_and_shrinks_without_losing_an_instance(
+        tmp_path):
+    """cluster.adaptive_env: environment steps get 0.4 s slower mid-run (a mix shifting to a
+    slow sandbox), the pool grows; they get fast again, it drains a worker and retires it once
+    its trajectories are done — no instance lost, no trajectory restarted."""
+    small_env = ["cluster.pools.2.slots=8", "cluster.processes=false"]
+    session = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0", *small_env])
+    try:
+        run = session.run(overrides=[
+            *QUIET, *small_env, "trainer.max_steps=14", "cluster.adaptive_env.enabled=true",
+            "cluster.adaptive_env.max_workers=3", "cluster.adaptive_env.window_s=2",
+            "cluster.adaptive_env.cooldown_s=2"], run_dir=tmp_path / "elastic")
+        envs = {t.name: t.env for t in run.cfg.env_tasks}
+        run.train(2)
+        assert not run._run.scaler.history  # demand is low: one worker is enough
+        for name, env in envs.items():
+            run.update_env(name, {"_component_": "tasks.envs.latency.RemoteLatency",
+                                  "env": env, "step_latency": 0.4})
+        run.train(5)
+        grown = [h for h in run._run.scaler.history if h["action"] == "grow"]
+        assert grown and grown[0]["busy"] > 0.7, (run._run.scaler.last_busy, grown)
+        for name, env in envs.items():
+            run.update_env(name, env)
+        run.train()
+        summary = run.close()
+    finally:
+        session.close()
+    _accounts_close(summary, steps=14)
+    actions = [h["action"] for h in summary["env_pool"]]
+    assert "drain" in actions and "retired" in actions, actions
+    assert not summary["faults"]["restarted"]  # nothing was lost in the shrink
+    changes = [c["change"] for c in summary["faults"]["worker_changes"]]
+    assert "joined" in changes and "retired" in changes and "left" not in changes
