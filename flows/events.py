@@ -8,6 +8,7 @@ a failed or lost future comes back with no result and its own status, for its ha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -65,8 +66,13 @@ class EventLoop:
         driver sees workers come and go and its watchdogs fire even while nothing finishes."""
         while True:
             batch = self._ac.next_batch(block=False)
-            if batch or (wake is not None and wake()) or self._ac.is_empty():
+            if batch or (wake is not None and wake()):
                 break
+            if self._ac.is_empty():  # nothing tracked: only ``wake`` can end the wait
+                if wake is None:
+                    break
+                time.sleep(poll_s)
+                continue
             with self._ac.thread_condition:
                 self._ac.thread_condition.wait(timeout=poll_s)
         results = self._gather(batch)

@@ -405,8 +405,13 @@ class TrainingRun:
 
     def _waiting_for_workers(self) -> bool:
         """Work is held back until a pool gets a worker again (or the trainer comes back)."""
-        return (self.trainer.worker is None or bool(self._empty_since)
-                or bool(self.driver._ready))
+        return bool(self._missing_pools()) or bool(self.driver._ready)
+
+    def _missing_pools(self) -> list[Tag]:
+        """The tags no serving worker carries now (a joining inference worker counts)."""
+        return [tag for tag in Tag if not (
+            self.trainer.worker is not None if tag is Tag.TRAINER
+            else self.driver.router.has(str(tag)) or bool(self._joining_with(tag)))]
 
     def _membership_and_watchdogs(self) -> None:
         for change in self.membership.take():
@@ -421,10 +426,9 @@ class TrainingRun:
         self._cancel(self.driver.overdue(self.cfg.rollout.turn_timeout_s))
         if self.scaler is not None:
             self.scaler.step(now)
+        missing = self._missing_pools()
         for tag in Tag:
-            present = (self.trainer.worker is not None if tag is Tag.TRAINER
-                       else self.driver.router.has(str(tag)) or bool(self._joining_with(tag)))
-            if present:
+            if tag not in missing:
                 self._empty_since.pop(tag, None)
                 continue
             since = self._empty_since.setdefault(tag, now)
@@ -482,9 +486,14 @@ class TrainingRun:
 
     def _worker_joined(self, change: WorkerChange) -> None:
         worker, tags = change.address, {t: n for t, n in change.tags.items() if n > 0}
-        if not tags or worker in self.cluster.worker_tags:
+        if worker in self.cluster.worker_tags:
             return
-        self.cluster.add_worker(worker, change.name, tags)
+        if tags:
+            self.cluster.add_worker(worker, change.name, tags)
+        else:  # it may advertise its hardware: then it gets its pool's tags
+            tags = self.cluster.adopt(worker)
+            if not tags:
+                return
         self._note_change("joined", worker, ", ".join(sorted(tags)))
         self.pool_slots = self._pool_slots()
         inference = self.trainer.inference_tag(tags)

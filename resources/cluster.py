@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.comm.addressing import unparse_host_port
 from distributed.security import Security
 
-from resources.hardware import PoolRouter, adopt_hardware
+from resources.hardware import PoolRouter, adopt_hardware, adopt_joiner
 from resources.net import LOOPBACK, warn_if_exposed
 from resources.pools import PoolSpec, Tag
 from resources.worker import TORCH_THREADS_ENV
@@ -40,6 +40,22 @@ class ClusterHandle:
     def slots(self, tag: Tag) -> int:
         return int(sum(r.get(str(tag), 0) for r in self.worker_tags.values()))
 
+    # pool -> the tags its workers were given at connect (workers advertising their hardware)
+    pool_tags: dict[str, list[Tag]] = field(default_factory=dict)
+
+    def adopt(self, address: str) -> dict[str, float]:
+        """A worker that joined mid-run advertising its hardware gets its pool's tags (empty:
+        it advertises nothing, or hardware of no pool here)."""
+        if not self.pool_tags:
+            return {}
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        adopted = adopt_joiner(self.client, address, info, self.pool_tags)
+        if adopted is None:
+            return {}
+        self.worker_pool[address], tags = adopted
+        self.worker_tags[address] = dict(tags)
+        return tags
+
     def refresh(self) -> None:
         """Catch up with workers that left or joined while no run was watching (between a
         session's runs): the scheduler's view, tags read from the workers' resources."""
@@ -49,8 +65,12 @@ class ClusterHandle:
         names = {t.value for t in Tag}
         for address, w in info.items():
             tags = {k: v for k, v in (w.get("resources") or {}).items() if k in names and v > 0}
-            if address not in self.worker_tags and tags:
+            if address in self.worker_tags:
+                continue
+            if tags:
                 self.add_worker(address, str(w.get("name", address)), tags)
+            else:
+                self.adopt(address)
 
     def add_worker(self, address: str, name: str, tags: dict[str, float]) -> None:
         """A worker joined during the run, with its RollArc tags."""
@@ -159,8 +179,11 @@ def _describe(
         res = {k: v for k, v in (w.get("resources") or {}).items() if k in {t.value for t in Tag}}
         worker_tags[addr] = res
         worker_pool[addr] = _pool_name(str(w.get("name", addr)), res, cluster is not None)
+    pool_tags: dict[str, list[Tag]] = {}
+    for pool, res in adopted.values():
+        pool_tags.setdefault(pool, [Tag(k) for k, v in res.items() if v > 0])
     try:
         link = client.dashboard_link
     except Exception:  # no dashboard (bokeh missing on a remote scheduler)
         link = None
-    return ClusterHandle(client, cluster, worker_pool, worker_tags, link)
+    return ClusterHandle(client, cluster, worker_pool, worker_tags, link, pool_tags)

@@ -232,6 +232,27 @@ def worker_resources(
     return out
 
 
+def adopt_joiner(client: Client, address: str, workers: Mapping[str, Mapping[str, Any]],
+                 pool_tags: Mapping[str, list[Tag]]) -> tuple[str, dict[str, float]] | None:
+    """A worker advertising hardware joined a running run: tag it as the pool of its kind was
+    tagged at connect time (the routing is not redone mid-run). ``workers`` is the scheduler's
+    view, the joiner included. None: it advertises nothing, or hardware no pool has."""
+    adverts = read_adverts(workers)
+    if address not in adverts:
+        return None
+    nthreads = {a: int(w.get("nthreads", 1)) for a, w in workers.items()}
+    _, worker_pool, slots = group_pools(adverts, nthreads)
+    pool = worker_pool[address]
+    if pool not in pool_tags:
+        logger.warning("worker %s advertises %s, a kind no pool of this run has: left idle "
+                       "until the next run routes it", address, pool)
+        return None
+    current = {address: workers[address].get("resources") or {}}
+    res = worker_resources({address: pool}, slots, pool_tags, current)[address]
+    client.run(_set_resources, resources=res, workers=[address])
+    return pool, {k: v for k, v in res.items() if v > 0}
+
+
 async def _set_resources(dask_worker: Worker, resources: dict[str, float]) -> None:
     # Worker.set_resources updates the worker's own accounting and then the scheduler's;
     # setting only the scheduler's would leave the worker refusing the tasks it is sent.

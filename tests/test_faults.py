@@ -130,6 +130,7 @@ def _watch_scores(counts):
     return on_transition
 
 
+@pytest.mark.long
 def test_environment_crashes_hangs_and_a_straggling_pool_are_survived(session, tmp_path):
     """Crashing and hanging environments (the watchdog gives up on a silent turn and names
     it), straggling sandboxes, and a decode pool three times slower than it should be."""
@@ -198,6 +199,7 @@ def test_a_pool_left_empty_stops_the_run_with_a_checkpoint_instead_of_hanging(tm
         session.close()
 
 
+@pytest.mark.long
 def test_the_environment_pool_grows_with_demand_and_shrinks_without_losing_an_instance(
         tmp_path):
     """cluster.adaptive_env: environment steps get 0.4 s slower mid-run (a mix shifting to a

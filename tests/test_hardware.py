@@ -255,7 +255,9 @@ def external(tmp_path_factory):
         time.sleep(0.1)
     address = json.loads(sched_file.read_text())["address"]
     procs.start(
-        "cpu", *_worker_args(address, "cpu", "--preload", "resources.hardware", "--role", "env")
+        "cpu",
+        *_worker_args(address, "cpu", "--preload", "resources.hardware", "--role", "env",
+                      "--slots", "16"),
     )
     procs.start("static", *_worker_args(address, "static", "--resources", "SERVERLESS=3"))
     client = Client(address, timeout=30)
@@ -323,4 +325,46 @@ def test_prefill_and_decode_land_on_the_declared_hardware(external, a_hw, b_hw, 
             handle.close()
     finally:
         procs.stop("gpu-b", "gpu-a")
+        _wait_names(client, {"cpu", "static"})
+
+
+@pytest.mark.integration
+@pytest.mark.long
+def test_a_worker_advertising_hardware_joins_a_running_run_as_its_pool(external, tmp_path):
+    """A second H20 decode worker started mid-run with the preload gets the H20 pool's tags,
+    loads the current weights, then decodes."""
+    from flows.api import Session
+    from resources.placement import placement_snapshot
+
+    procs, address, client = external
+    gpu = ["--preload", "resources.hardware", "--gpus", "8", "--slots", "16"]
+    procs.start("h800", *_worker_args(address, "h800", *gpu, "--hardware", "H800",
+                                      "--role", "inference"))
+    procs.start("h20", *_worker_args(address, "h20", *gpu, "--hardware", "H20",
+                                     "--role", "inference"))
+    procs.start("train", *_worker_args(address, "train", *gpu, "--hardware", "H800",
+                                       "--role", "train"))
+    quiet = ["metrics.progress=false", "eval.every_steps=0", "trainer.groups_per_step=2",
+             "metrics.dashboard=false"]
+    try:
+        _wait_names(client, {"h800", "h20", "train", "cpu", "static"})
+        session = Session.connect(address, 30, overrides=quiet)
+        try:
+            run = session.run(overrides=[*quiet, "trainer.max_steps=3"], run_dir=tmp_path / "r")
+            run.train(1)
+            procs.start("h20-b", *_worker_args(address, "h20-b", *gpu, "--hardware", "H20",
+                                               "--role", "inference"))
+            joined = _wait_names(client, {"h800", "h20", "h20-b", "train", "cpu", "static"})
+            run.train()
+            summary = run.close()
+            placed = session.client.run_on_scheduler(placement_snapshot)
+        finally:
+            session.close()
+        new = joined["h20-b"]
+        changes = [(c["worker"], c["change"]) for c in summary["faults"]["worker_changes"]]
+        assert (new, "joined") in changes and (new, "serving") in changes
+        assert summary["workers"][new]["pool"] == "H20-inference"
+        assert placed["decode"].get(new, 0) > 0 and not placed.get("prefill", {}).get(new)
+    finally:
+        procs.stop(*[n for n in ("h20-b", "train", "h20", "h800") if n in procs.procs])
         _wait_names(client, {"cpu", "static"})

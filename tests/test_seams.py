@@ -222,7 +222,8 @@ def test_batch_level_environment_handling_holds_each_turn_for_the_whole_batch(tm
             stage, _, suffix = key.partition("-")
             if stage not in ("prefill", "env_step"):
                 continue
-            _tid, turn, _attempt = (int(x) for x in suffix.split("-"))
+            # "{trajectory}-{turn}-{attempt}@{run tag}"
+            _tid, turn, _attempt = (int(x) for x in suffix.split("@")[0].split("-"))
             if stage == "prefill":
                 starts.setdefault(turn, []).append(start)
             elif stage == "env_step":
