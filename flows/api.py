@@ -385,6 +385,8 @@ class Run:
             publish(client, RecordKind.RUN_END, {"run_id": self._run.run_id})
             announce(client, "run-end", run=self._run.run_id, status=str(self.status))
         self.sink.close()
+        if hasattr(self, "_run"):
+            self._run.membership.close()  # the next run subscribes afresh
         if self._own_service is not None:
             self._own_service.stop()
             self._own_service = None

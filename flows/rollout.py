@@ -290,7 +290,7 @@ class RolloutDriver:
         for key, cohort in self._cohorts.items():
             if key in self._abandoned or now - cohort.submitted < timeout_s:
                 continue
-            env_w = next(iter(self.live[t].env_worker for t in cohort.traj_ids))
+            env_w = self.live[cohort.traj_ids[0]].env_worker
             if cohort.decode.status == "finished":
                 where = (f"environment {cohort.env_task} on {env_w} (instances "
                          f"{[self.live[t].handle.instance_id for t in cohort.traj_ids][:4]})")
