@@ -615,9 +615,10 @@ class TrainingRun:
         self.events.track(fut, FutureKind.CHECKPOINT)
 
     def _on_checkpoint(self, ev: Event) -> None:
-        _, directory, state = self._checkpointing.pop(ev.future.key)
-        if ev.future.key in self._abandoned:  # lost with the trainer's worker
+        entry = self._checkpointing.pop(ev.future.key, None)
+        if entry is None or ev.future.key in self._abandoned:  # lost with the trainer's worker
             return
+        _, directory, state = entry
         if ev.future.status != "finished":
             raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
         self._finish_checkpoint(directory, state)

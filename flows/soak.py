@@ -53,9 +53,11 @@ def sample(session: Session, run, step: int, elapsed: float) -> dict:
         pool = cluster.worker_pool.get(address, address)
         by_pool[pool] = by_pool.get(pool, 0.0) + mb
     accounts = run._run.ledger.summary()
+    # the embedded cluster's scheduler runs in the driver's process: then one figure
     return {"step": step, "elapsed_s": round(elapsed, 1),
             "driver_mb": round(_rss_mb(), 1),
             "scheduler_mb": round(client.run_on_scheduler(_scheduler_rss_mb), 1),
+            "scheduler_in_driver": client.run_on_scheduler(os.getpid) == os.getpid(),
             "workers_mb": {k: round(v, 1) for k, v in sorted(by_pool.items())},
             "in_flight": accounts["in_flight"], "started": accounts["started"],
             "trained": accounts["trained"], "dropped": sum(accounts["dropped"].values()),
