@@ -19,6 +19,9 @@ from distributed import Client, Future, as_completed
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a waiting driver looks at its wake-up conditions
+# the longest a batch of finished futures' results is waited for (they are small: a lost one
+# is the only reason to wait), then one by one for as long again
+GATHER_TIMEOUT_S = 10
 
 
 class FutureKind(Enum):
@@ -81,12 +84,17 @@ class EventLoop:
     def _gather(self, batch: list[Future]) -> dict:
         done = [f for f in batch if f.status == "finished"]
         try:
-            return dict(zip((f.key for f in done), self.client.gather(done), strict=True))
+            # Client.gather with a time limit: a result lost with its worker is rescheduled,
+            # and a task pinned to a dead worker would keep the gather waiting for ever
+            results = self.client.sync(self.client._gather, done,
+                                       callback_timeout=GATHER_TIMEOUT_S)
+            return dict(zip((f.key for f in done), results, strict=True))
         except Exception:  # a result was lost in between (worker died): fetch one by one
             out = {}
+            deadline = time.monotonic() + GATHER_TIMEOUT_S
             for f in done:
                 try:
-                    out[f.key] = f.result(timeout=60)
-                except Exception:
+                    out[f.key] = f.result(timeout=max(0.1, deadline - time.monotonic()))
+                except Exception:  # its handler sees no result: lost
                     logger.warning("result of %s lost", f.key)
             return out

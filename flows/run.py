@@ -269,6 +269,8 @@ class TrainingRun:
                         f"nothing admissible (rollout.max_in_flight={self.cfg.rollout.max_in_flight},"
                         f" pool slots={self.pool_slots})")
                 break
+            # workers that left since: their futures are given up before any result is fetched
+            self._membership_and_watchdogs()
             for ev in self.events.next_batch(wake=self._wake):
                 handlers[ev.kind](ev)
                 self._abandoned.discard(ev.future.key)
@@ -570,6 +572,10 @@ class TrainingRun:
         self._train_future = None
         if ev.future.key in self._abandoned:  # lost with the trainer's worker (dropped then)
             return
+        if self._lost(ev):  # its result lost with the trainer's worker: the batch is
+            # dropped; the worker's departure (an event of its own) rebuilds the trainer
+            self._drop_training(DropReason.TRAINER_LOST, "the train step's result was lost")
+            return
         if ev.future.status != "finished":  # a trainer failure ends the run loudly
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
         self._record_train(ev.result)
@@ -616,7 +622,7 @@ class TrainingRun:
 
     def _on_checkpoint(self, ev: Event) -> None:
         entry = self._checkpointing.pop(ev.future.key, None)
-        if entry is None or ev.future.key in self._abandoned:  # lost with the trainer's worker
+        if entry is None or self._lost(ev):  # lost with the trainer's worker
             return
         _, directory, state = entry
         if ev.future.status != "finished":
@@ -657,11 +663,17 @@ class TrainingRun:
             self._pinned[f.key] = (w, f)
             self.loads_pending += 1
 
+    def _lost(self, ev: Event) -> bool:
+        """Given up on with a lost worker, or its result lost with one (a task that raised is
+        not lost: it failed)."""
+        return ev.future.key in self._abandoned or (ev.result is None
+                                                    and ev.future.status != "error")
+
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1
         worker = self._loading.pop(ev.future.key)
         self._pinned.pop(ev.future.key, None)
-        if ev.future.key in self._abandoned:  # its worker left
+        if self._lost(ev):  # its worker left
             return
         if ev.future.status != "finished":
             raise RuntimeError(f"weight load {ev.future.key} failed: {ev.future.exception()}")
@@ -673,7 +685,7 @@ class TrainingRun:
 
     def _on_time_share(self, ev: Event) -> None:
         self._pinned.pop(ev.future.key, None)
-        if ev.future.key in self._abandoned:
+        if self._lost(ev):
             return
         if ev.future.status != "finished":
             raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
