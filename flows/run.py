@@ -360,7 +360,8 @@ class TrainingRun:
                 self.driver.start(gid, env_task, seed)
 
     def _maybe_train(self) -> None:
-        if self.trainer_busy or self.version >= self.cfg.trainer.max_steps:
+        if (self.trainer_busy or self.trainer.worker is None  # lost: batches wait for it
+                or self.version >= self.cfg.trainer.max_steps):
             return
         scoring = (self.ledger.count(TrajState.AWAITING_SCORE)
                    + self.ledger.count(TrajState.SCORING))
@@ -613,7 +614,8 @@ class TrainingRun:
         """Every ``trainer.checkpoint_every`` steps: the trainer writes its checkpoint (no train
         step starts meanwhile, so it is of this version), then the driver its state."""
         every = self.cfg.trainer.checkpoint_every
-        if not every or self.version % every or self.version >= self.cfg.trainer.max_steps:
+        if (not every or self.version % every or self.version >= self.cfg.trainer.max_steps
+                or self.trainer.worker is None):
             return
         directory = checkpoints.step_dir(self.run_dir, self.version)
         fut = self.trainer.checkpoint(str(directory), self.version)
