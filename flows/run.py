@@ -129,7 +129,6 @@ class TrainingRun:
         self.last_metrics: dict = {}
         self.staleness_hist: Counter[int] = Counter()  # of trained trajectories
         self.worker_versions: dict[str, int] = {}  # the version each inference worker loaded
-        self._loading: dict[str, str] = {}  # load future key -> worker
         # called with (train step, trajectories) for each batch cut
         self.batch_callbacks: list[Callable[[int, list[Trajectory]], None]] = []
         self.t0: float | None = None
@@ -661,7 +660,6 @@ class TrainingRun:
     def _load_weights(self, loads: dict[str, Future]) -> None:
         for w, f in loads.items():
             self.events.track(f, FutureKind.LOAD_WEIGHTS)
-            self._loading[f.key] = w
             self._pinned[f.key] = (w, f)
             self.loads_pending += 1
 
@@ -673,8 +671,7 @@ class TrainingRun:
 
     def _on_load(self, ev: Event) -> None:
         self.loads_pending -= 1
-        worker = self._loading.pop(ev.future.key)
-        self._pinned.pop(ev.future.key, None)
+        worker, _ = self._pinned.pop(ev.future.key)
         if self._lost(ev):  # its worker left
             return
         if ev.future.status != "finished":

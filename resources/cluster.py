@@ -20,7 +20,7 @@ from distributed.security import Security
 
 from resources.hardware import PoolRouter, adopt_hardware, adopt_joiner
 from resources.net import LOOPBACK, warn_if_exposed
-from resources.pools import PoolSpec, Tag
+from resources.pools import PoolSpec, Tag, tags_of
 from resources.worker import TORCH_THREADS_ENV
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,8 @@ class ClusterHandle:
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         for address in set(self.worker_tags) - set(info):
             self.remove_worker(address)
-        names = {t.value for t in Tag}
         for address, w in info.items():
-            tags = {k: v for k, v in (w.get("resources") or {}).items() if k in names and v > 0}
+            tags = tags_of(w.get("resources"))
             if address in self.worker_tags:
                 continue
             if tags:
@@ -176,7 +175,7 @@ def _describe(
             worker_pool[addr], res = adopted[addr]
             worker_tags[addr] = {k: v for k, v in res.items() if v > 0}
             continue
-        res = {k: v for k, v in (w.get("resources") or {}).items() if k in {t.value for t in Tag}}
+        res = tags_of(w.get("resources"))
         worker_tags[addr] = res
         worker_pool[addr] = _pool_name(str(w.get("name", addr)), res, cluster is not None)
     pool_tags: dict[str, list[Tag]] = {}

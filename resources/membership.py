@@ -19,7 +19,7 @@ from enum import Enum
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from resources.pools import Tag
+from resources.pools import tags_of
 
 TOPIC = "rollarc-workers"
 PLUGIN_NAME = "rollarc-membership"
@@ -39,11 +39,6 @@ class WorkerChange:
     at: float  # the driver's clock when the change was taken off the topic
 
 
-def _tags(resources: dict | None) -> dict[str, float]:
-    names = {t.value for t in Tag}
-    return {k: float(v) for k, v in (resources or {}).items() if k in names}
-
-
 class MembershipPlugin(SchedulerPlugin):
     """Announces every worker that joins or leaves on :data:`TOPIC`."""
 
@@ -54,7 +49,7 @@ class MembershipPlugin(SchedulerPlugin):
         ws = scheduler.workers.get(worker)
         if ws is not None:
             scheduler.log_event(TOPIC, {"change": Change.JOINED.value, "address": worker,
-                                        "name": str(ws.name), "tags": _tags(ws.resources)})
+                                        "name": str(ws.name), "tags": tags_of(ws.resources)})
 
     def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kwargs) -> None:
         # the WorkerState is gone by now: the driver knows the tags it had

@@ -39,6 +39,12 @@ class Tag(StrEnum):
     SERVERLESS = "SERVERLESS"
 
 
+def tags_of(resources: dict | None) -> dict[str, float]:
+    """The RollArc tags among a worker's Dask resources, with their slots (those above 0)."""
+    names = {t.value for t in Tag}
+    return {k: float(v) for k, v in (resources or {}).items() if k in names and v > 0}
+
+
 class Role(StrEnum):
     """What a pool is for. ``all`` is the monolithic case: one pool carries every hardware tag
     (``SERVERLESS`` stays on its own pool: it dispatches calls, it runs nothing heavy)."""
