@@ -111,6 +111,13 @@ PRESETS: dict[str, ModelSpec] = {
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
         "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
+    # Qwen/Qwen3-235B-A22B: 94 layers, hidden 4096, 64 heads x 128, 4 KV heads, 128 experts of
+    # 1536, 8 routed per token (the scale of the MoE arXiv 2512.22560 trains on 3,000+ GPUs)
+    "moe-235b-a22b": ModelSpec.from_hf_config({
+        "model_type": "moe-235b-a22b", "hidden_size": 4096, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
 }
 
 
@@ -177,10 +184,12 @@ class DeviceModel:
         flops = 2.0 * m.params_active * n + m.attention_flops(n, cached + n / 2)
         return flops, m.kv_bytes_per_token * (cached + n)
 
-    def _decode_work(self, contexts: list[int]) -> tuple[float, float]:
+    def _decode_work(self, batch: int, total_context: float) -> tuple[float, float]:
+        """A decode step's work depends on its batch only through its size and the sum of
+        its contexts (what lets the simulator keep a running batch as two numbers)."""
         m = self.model
-        flops = 2.0 * m.params_active * len(contexts) + m.attention_flops(1, sum(contexts))
-        return flops, m.kv_bytes_per_token * sum(contexts)
+        flops = 2.0 * m.params_active * batch + m.attention_flops(1, total_context)
+        return flops, m.kv_bytes_per_token * total_context
 
     def prefill_time(self, n: int, cached: int = 0) -> float:
         """Seconds to read ``n`` new tokens after ``cached`` ones."""
@@ -189,20 +198,31 @@ class DeviceModel:
 
     def decode_step_time(self, contexts: list[int]) -> float:
         """Seconds of one decode step (one token each) for sequences at these context lengths."""
-        if not contexts:
+        return self.decode_batch_time(len(contexts), sum(contexts))
+
+    def decode_batch_time(self, batch: int, total_context: float) -> float:
+        """:meth:`decode_step_time` of ``batch`` sequences whose contexts sum to
+        ``total_context``."""
+        if batch <= 0:
             return 0.0
-        flops, kv = self._decode_work(contexts)
-        return self._roofline(flops, self._decode_weight_bytes(len(contexts)) + kv)
+        flops, kv = self._decode_work(batch, total_context)
+        return self._roofline(flops, self._decode_weight_bytes(batch) + kv)
 
     def mixed_step_time(self, prefills: list[tuple[int, int]], contexts: list[int]) -> float:
         """One engine step running chunked prefills (``(n, cached)`` each) and decodes
         together: the weights are read once for both."""
+        return self.mixed_batch_time(prefills, len(contexts), sum(contexts))
+
+    def mixed_batch_time(self, prefills: list[tuple[int, int]], batch: int,
+                         total_context: float) -> float:
+        """:meth:`mixed_step_time` with the decodes given as their number and summed
+        contexts."""
         flops = kv = 0.0
         for n, cached in prefills:
             f, b = self._prefill_work(n, cached)
             flops, kv = flops + f, kv + b
-        f, b = self._decode_work(contexts) if contexts else (0.0, 0.0)
-        weights = self.model.weight_bytes if prefills else self._decode_weight_bytes(len(contexts))
+        f, b = self._decode_work(batch, total_context) if batch else (0.0, 0.0)
+        weights = self.model.weight_bytes if prefills else self._decode_weight_bytes(batch)
         return self._roofline(flops + f, weights + kv + b)
 
     # -- training and transfers ------------------------------------------------------------------

@@ -1,0 +1,919 @@
+"""A RollArc run as a discrete-event simulation: the flow's own decisions on a virtual clock.
+
+What is simulated, and with what:
+
+- **decisions** are not re-implemented: admission (:func:`flows.orchestration.admission_room`),
+  the mix draw (:class:`~flows.orchestration.GroupDraw`), the batch cut
+  (:func:`~flows.orchestration.groups_to_cut`), the group collector and staleness
+  (:class:`~flows.orchestration.GroupCollector`), the router
+  (:class:`~flows.orchestration.Router`), per-turn dispatch (:func:`flows.dispatch.plan_turn`),
+  the affinity routing of pools (:func:`flows.launch.pool_router`), the trajectory state
+  machine (:class:`flows.lifecycle.TrajectoryLedger`) and the turn shapes
+  (:func:`flows.workload.turn_shape`) are the very ones the Dask flow calls; they are looked up
+  on their modules at call time, so replacing one (a test does) changes the simulation;
+- **device times** come from :class:`resources.device_model.DeviceModel`, the model of the
+  ``emulated`` backend and the affinity router: each engine runs continuous batching the way
+  :class:`resources.emulated.EmulatedEngine` does (FIFO admission under KV memory and
+  ``max_seqs``, prefill chunks of ``chunk_tokens`` beside the running decodes as mixed steps,
+  decode-only runs up to the next finish, cut at a step boundary by an arrival, weight loads
+  and colocated training as pauses between steps), KV hand-offs wait on the link;
+- **environments**: each worker's slots; reset and step latencies drawn from the env task's
+  :class:`tasks.envs.latency.RemoteLatency` spec, crashes at ``faults.env.crash_rate``; the
+  number of turns of a trajectory (what the policy and environment decide) is drawn from
+  ``simulate.turns``;
+- **reward**: one score task per function and burst (as :mod:`flows.reward_dispatch` cuts
+  them), invocations of up to ``reward.batch_max`` at ``reward.concurrency`` per task, on a
+  Lambda of ``simulate.lambda_concurrency`` concurrent instances (over it: a throttle and a
+  retry), cold starts, and a reward model's prefill per invocation (``reward.judge``);
+- **the trainer**: a train step over the batch's virtual tokens, the weight export and one
+  load per inference engine (a pause of that engine); monolithic placement time-shares every
+  engine for the train step;
+- **the control plane**: every task passes one scheduler (a queue of
+  ``scheduler_us_per_task`` each) and every completion the driver handles one driver (a
+  queue of ``driver_us_per_event``), so their saturation shows as time; ``shards`` splits both
+  (the remedy), ``cohort_max`` makes tasks coarser.
+
+Why an event loop of its own rather than SimPy: every decision is a plain call into the flow's
+functions, so no process (generator) per entity is needed, and a heap of callbacks costs about a
+third of a SimPy event; the at-scale run (an hour of 3,000+ GPUs) has to fit in a minute.
+Deterministic for a seed: every draw comes from seeded ``random.Random`` streams and ties on
+the clock break by insertion order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from flows import dispatch as dispatch_mod
+from flows import launch, lifecycle, orchestration, workload
+from flows.config import TrainConfig
+from resources import emulated
+from resources.catalog import HardwareProfile, get_profile
+from resources.device_model import DeviceModel
+from resources.pools import Role, Tag
+from tasks.envs.latency import Latency
+from tasks.records import Trajectory
+
+
+class TurnCount(BaseModel):
+    """Turns of one trajectory: ``mean`` on average (the two integers around it), at most
+    ``max``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mean: float = Field(gt=0, description="Mean turns per trajectory")
+    max: int = Field(default=1000, ge=1, description="Most turns")
+
+    def sample(self, rng: random.Random) -> int:
+        low = math.floor(self.mean)
+        n = low + (rng.random() < self.mean - low)
+        return int(min(self.max, max(1, n)))
+
+
+class SimSettings(BaseModel):
+    """The ``simulate:`` section of a config: what the simulator needs beyond the run's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int | None = Field(default=None, ge=1, description="Scale the GPU pools (and the "
+                             "batch, env slots and max_in_flight with them) to about this many "
+                             "GPUs; null: the config's pools as they are")
+    hours: float | None = Field(default=None, gt=0, description="Simulated hours to run "
+                                "(null: until trainer.max_steps)")
+    turns: dict[str, TurnCount] = Field(default_factory=dict, description="Turns per "
+                                        "trajectory by env task (default: the env's max_turns)")
+    local_env_step_s: float = Field(default=0.002, ge=0, description="Step time of an "
+                                    "environment with no remote latency")
+    turn_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time a turn spends "
+                                   "outside its tasks (messages, transfers) beyond the queues")
+    train_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time per train step "
+                                    "beyond the device model's")
+    scheduler_us_per_task: float = Field(default=0.0, ge=0, description="Scheduler time per "
+                                         "task (0: not modelled); from flows/bench_scheduler.py")
+    driver_us_per_event: float = Field(default=0.0, ge=0, description="Driver time per "
+                                       "completion handled (0: not modelled)")
+    shards: int = Field(default=1, ge=1, description="Schedulers and drivers the rollout is "
+                        "sharded over (the scale remedy)")
+    lambda_concurrency: int | None = Field(default=None, ge=1, description="Concurrent Lambda "
+                                           "instances per function (null: the emulator's, or "
+                                           "1000, AWS's default account limit)")
+    lambda_cold_start_s: float = Field(default=0.5, ge=0, description="A new instance's start")
+    lambda_latency_s: float | None = Field(default=None, ge=0, description="Per call (null: "
+                                           "reward.emulator.latency_s)")
+    throttle_backoff_s: float = Field(default=0.1, ge=0, description="Wait before a throttled "
+                                      "call is retried")
+    seed: int | None = Field(default=None, description="Seed of the simulator's own draws "
+                             "(null: the run's)")
+
+
+# -- the event loop ------------------------------------------------------------------------------
+
+
+class Clock:
+    """A heap of callbacks on a virtual clock; ties run in insertion order."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+        self.events = 0
+
+    def at(self, t: float, fn, *args) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+
+    def after(self, dt: float, fn, *args) -> None:
+        self.at(self.now + dt, fn, *args)
+
+    def run(self, until: float, stop) -> None:
+        heap = self._heap
+        while heap and not stop():
+            t, _, fn, args = heapq.heappop(heap)
+            if t > until:
+                heapq.heappush(heap, (t, 0, fn, args))
+                self.now = until
+                return
+            self.now = t
+            self.events += 1
+            fn(*args)
+
+
+class Queue:
+    """A FIFO server of fixed service time (a scheduler or a driver): the delay a job waits."""
+
+    def __init__(self, clock: Clock, service_s: float):
+        self.clock, self.service_s = clock, service_s
+        self.free_at = 0.0
+        self.busy_s = 0.0
+        self.jobs = 0
+
+    def delay(self, jobs: int = 1) -> float:
+        """Serve ``jobs`` arriving now; seconds until the last is done."""
+        if not self.service_s:
+            return 0.0
+        start = max(self.clock.now, self.free_at)
+        self.free_at = start + jobs * self.service_s
+        self.busy_s += jobs * self.service_s
+        self.jobs += jobs
+        return self.free_at - self.clock.now
+
+
+class Slots:
+    """A worker's resource slots (Dask's resource totals): tasks beyond them wait, FIFO."""
+
+    def __init__(self, n: int):
+        self.free = n
+        self.waiting: deque = deque()
+
+    def acquire(self, fn, *args) -> None:
+        if self.free > 0:
+            self.free -= 1
+            fn(*args)
+        else:
+            self.waiting.append((fn, args))
+
+    def release(self) -> None:
+        if self.waiting:
+            fn, args = self.waiting.popleft()
+            fn(*args)
+        else:
+            self.free += 1
+
+
+# -- an engine ------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Req:
+    prefill: bool
+    left: int  # prefill: tokens to read; decode: tokens to generate
+    context: int
+    kv: int
+    done: Any  # callback
+    finish_step: int = 0  # decode: the engine's decode-step count at which it ends
+
+
+class SimEngine:
+    """Continuous batching on one engine, as :class:`resources.emulated.EmulatedEngine` runs
+    it, with the running decodes kept as a count and a context sum so an event costs O(log n).
+    """
+
+    def __init__(self, clock: Clock, name: str, device: DeviceModel, chunk_tokens: int,
+                 max_seqs: int, slowdown: float = 1.0):
+        if device.kv_capacity_tokens <= 0:
+            raise ValueError(f"{device.model.name} does not fit on {device.gpus} x "
+                             f"{device.hw.name}: give the pool more gpus")
+        self.clock, self.name, self.device = clock, name, device
+        self.chunk_tokens, self.max_seqs, self.slowdown = chunk_tokens, max_seqs, slowdown
+        self.capacity = device.kv_capacity_tokens
+        self.version = 0
+        self.waiting: deque[_Req] = deque()
+        self.prefills: list[_Req] = []
+        self.decodes: list[tuple[int, int, _Req]] = []  # heap of (finish step, seq, req)
+        self._seq = 0
+        self.n_dec = 0
+        self.ctx_base = 0  # sum over decodes of (context at admission - step at admission)
+        self.step = 0  # decode steps run so far (every running decode advances together)
+        self.reserved = 0
+        self.pauses: list[tuple[float, Any]] = []
+        self.busy_s = 0.0
+        self.training_s = 0.0
+        self._gen = 0  # the scheduled end of the current run; a newer one supersedes it
+        self._run: tuple | None = None  # decode-only run: (t0, dt, k)
+        self._stepping = False
+
+    # -- callers -----------------------------------------------------------------------------
+    def submit(self, prefill: bool, tokens: int, context: int, done) -> None:
+        if tokens <= 0:
+            done()
+            return
+        kv = context + tokens
+        if kv > self.capacity:
+            raise ValueError(f"a request of {kv} tokens' KV never fits on {self.name}")
+        self.waiting.append(_Req(prefill, tokens, context, kv, done))
+        self._arrival()
+
+    def pause(self, seconds: float, done=None, training: bool = False) -> None:
+        self.pauses.append((seconds, done))
+        if training:
+            self.training_s += seconds
+        self._arrival()
+
+    # -- the engine ---------------------------------------------------------------------------
+    def _arrival(self) -> None:
+        if not self._stepping:
+            self._plan()
+        elif self._run is not None:  # cut the decode-only run at the next step boundary
+            t0, dt, k = self._run
+            steps = min(k, max(1, math.ceil((self.clock.now - t0) / dt - 1e-9)))
+            if steps < k:
+                self._schedule(t0 + steps * dt, self._end_decode_run, steps, dt)
+                self._run = (t0, dt, steps)
+
+    def _schedule(self, t: float, fn, *args) -> None:
+        self._gen += 1
+        self.clock.at(t, self._fire, self._gen, fn, args)
+
+    def _fire(self, gen: int, fn, args) -> None:
+        if gen == self._gen:
+            fn(*args)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.prefills) + self.n_dec < self.max_seqs:
+            r = self.waiting[0]
+            if self.reserved + r.kv > self.capacity:
+                break  # FIFO: the head waits for memory
+            self.waiting.popleft()
+            self.reserved += r.kv
+            if r.prefill:
+                self.prefills.append(r)
+            else:
+                self._add_decode(r)
+
+    def _add_decode(self, r: _Req) -> None:
+        r.finish_step = self.step + r.left
+        self._seq += 1
+        heapq.heappush(self.decodes, (r.finish_step, self._seq, r))
+        self.n_dec += 1
+        self.ctx_base += r.context - self.step
+
+    def _plan(self) -> None:
+        self._admit()
+        self._run = None
+        if self.pauses:
+            total = sum(s for s, _ in self.pauses)
+            released, self.pauses = self.pauses, []
+            self._stepping = True
+            self.busy_s += total
+            self._schedule(self.clock.now + total * self.slowdown, self._end_pause, released)
+            return
+        if self.prefills:
+            budget = self.chunk_tokens - self.n_dec
+            chunks = []
+            for r in self.prefills:
+                if budget <= 0:
+                    break
+                n = min(r.left, budget)
+                chunks.append((r, n))
+                budget -= n
+            ctx = self.ctx_base + self.n_dec * self.step
+            dt = self.device.mixed_batch_time([(n, r.context) for r, n in chunks], self.n_dec,
+                                              ctx)
+            self._stepping = True
+            self.busy_s += dt
+            self._schedule(self.clock.now + dt * self.slowdown, self._end_mixed, chunks)
+            return
+        if self.n_dec:
+            k = self.decodes[0][0] - self.step
+            mid = self.ctx_base + self.n_dec * (self.step + k // 2)
+            dt = self.device.decode_batch_time(self.n_dec, mid) * self.slowdown
+            self._stepping = True
+            self._run = (self.clock.now, dt, k)
+            self._schedule(self.clock.now + k * dt, self._end_decode_run, k, dt)
+            return
+        self._stepping = False
+
+    def _end_pause(self, released) -> None:
+        for _, done in released:
+            if done is not None:
+                done()
+        self._plan()
+
+    def _end_mixed(self, chunks) -> None:
+        for r, n in chunks:
+            r.left -= n
+            r.context += n
+        self._advance(1)
+        for r, _ in chunks:
+            if r.left <= 0:
+                self.prefills.remove(r)
+                self.reserved -= r.kv
+                r.done()
+        self._plan()
+
+    def _end_decode_run(self, steps: int, dt: float) -> None:
+        self.busy_s += steps * dt / self.slowdown
+        self._advance(steps)
+        self._plan()
+
+    def _advance(self, steps: int) -> None:
+        self.step += steps
+        while self.decodes and self.decodes[0][0] <= self.step:
+            _, _, r = heapq.heappop(self.decodes)
+            self.n_dec -= 1
+            self.ctx_base -= r.context - (r.finish_step - r.left)
+            self.reserved -= r.kv
+            r.done()
+
+
+# -- trajectories -------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Traj:
+    tid: int
+    group_id: str
+    env_task: Any
+    seed: int
+    turns: int
+    attempt: int = 0
+    turn: int = 0
+    context: int = 0  # virtual tokens so far
+    generated: int = 0
+    oldest: int | None = None
+    env_worker: str | None = None
+    decode_worker: str | None = None  # sticky decode worker
+    kv_at: str | None = None  # the engine holding its KV
+    shard: int = 0
+    env_s: float = 0.0
+
+
+@dataclass
+class SimResult:
+    """What one simulated run measured (times in simulated seconds)."""
+
+    system: str
+    gpus: int
+    cost_per_hour: float
+    elapsed_s: float
+    steps: int
+    step_times: list[float]
+    busy: dict[str, float]  # per pool: engines' busy share
+    trainer_busy: float
+    trajectories: dict[str, Any]
+    staleness_mean: float
+    turns: int
+    tasks: dict[str, int]  # submitted, by stage
+    driver_events: int
+    scheduler_busy: list[float]  # per shard: share of time its scheduler queue was serving
+    driver_busy: list[float]
+    generated_tokens: int
+    events: int  # simulator events processed
+    wall_s: float = 0.0  # real seconds the simulation took
+
+    @property
+    def step_s(self) -> float:
+        return median(self.step_times) if self.step_times else float("nan")
+
+    @property
+    def tasks_per_s(self) -> float:
+        return sum(self.tasks.values()) / max(self.elapsed_s, 1e-9)
+
+    @property
+    def driver_events_per_s(self) -> float:
+        return self.driver_events / max(self.elapsed_s, 1e-9)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "step_times"}
+        return d | {"step_s": self.step_s, "tasks_per_s": self.tasks_per_s,
+                    "driver_events_per_s": self.driver_events_per_s,
+                    "step_times": [round(s, 3) for s in self.step_times]}
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _max_turns(spec: dict) -> int | None:
+    """``max_turns`` of an env spec, looking through wrappers (``env: {...}``)."""
+    while isinstance(spec, dict):
+        if "max_turns" in spec:
+            return int(spec["max_turns"])
+        spec = spec.get("env")
+    return None
+
+
+def _latencies(spec: dict) -> tuple[Latency | None, Latency | None]:
+    """(reset, step) latency of a RemoteLatency-wrapped environment (None: local)."""
+    if isinstance(spec, dict) and str(spec.get("_component_", "")).endswith("RemoteLatency"):
+        return (Latency.of(spec.get("reset_latency")) if spec.get("reset_latency") else None,
+                Latency.of(spec.get("step_latency")) if spec.get("step_latency") else None)
+    return None, None
+
+
+class Simulation:
+    """One run of ``cfg`` on the simulated cluster (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, sim: SimSettings | None = None, system: str = "rollarc"):
+        self.cfg, self.sim, self.system = cfg, sim or SimSettings(), system
+        self.clock = Clock()
+        seed = self.sim.seed if self.sim.seed is not None else cfg.seed
+        self.rng = random.Random(f"sim/{seed}")
+        self.ledger = lifecycle.TrajectoryLedger()
+        self.collector = orchestration.GroupCollector()
+        self.draw = orchestration.GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
+        self.lengths = dispatch_mod.ResponseLengths()
+        self.batch_trajectories = cfg.batch_trajectories()
+        # a run of ``hours`` trains until the clock runs out
+        self.max_steps = 10**9 if self.sim.hours else cfg.trainer.max_steps
+        self._build_cluster()
+        self.version = 0
+        self.trainer_busy = False
+        self.loads_pending = 0
+        self.stopping = False
+        self.ready: list[_Traj] = []
+        self.reward_pending: list[tuple[_Traj, Trajectory]] = []
+        self.live: dict[int, _Traj] = {}
+        self.next_id = 0
+        self.step_ends: list[float] = []
+        self.staleness: list[int] = []
+        self.trainer_busy_s = 0.0
+        self.tasks: Counter[str] = Counter()
+        self.driver_events = 0
+        self.turns_done = 0
+        self.generated = 0
+        shards = self.sim.shards
+        self.schedulers = [Queue(self.clock, self.sim.scheduler_us_per_task * 1e-6)
+                           for _ in range(shards)]
+        self.drivers = [Queue(self.clock, self.sim.driver_us_per_event * 1e-6)
+                        for _ in range(shards)]
+        self._shard_load = [0] * shards
+        self.lambda_busy: Counter[str] = Counter()  # instances running, per function
+        self.lambda_warm: Counter[str] = Counter()  # instances started, per function
+        self.reward_calls = Counter()
+        self._training: list[int] = []
+        fns = {t.name: cfg.reward.function_of(t) for t in cfg.env_tasks}
+        self.lambda_function = fns
+        self.turn_counts = {t.name: self.sim.turns.get(t.name) or TurnCount(
+            mean=_max_turns(t.env) or 1, max=_max_turns(t.env) or 1000) for t in cfg.env_tasks}
+        self.env_latency = {t.name: _latencies(cfg.faults.env_spec(t.env)) for t in cfg.env_tasks}
+        self._in_tick = False
+
+    # -- cluster ---------------------------------------------------------------------------------
+    def _build_cluster(self) -> None:
+        cfg = self.cfg
+        pools = cfg.effective_pools()
+        tags = launch.pool_router(cfg)(pools)  # the affinity routing the embedded cluster uses
+        hardware = cfg.pool_hardware()
+        dev = cfg.engine.device
+        model = cfg.device_model()
+        stragglers = cfg.faults.stragglers
+        self.engines: dict[str, SimEngine] = {}
+        self.slots: dict[tuple[str, Tag], Slots] = {}
+        self.pool_of: dict[str, str] = {}
+        by_tag: dict[str, list[str]] = {str(t): [] for t in Tag}
+        self.devices: dict[str, DeviceModel] = {}
+        self.gpus = 0
+        self.cost = 0.0
+        for p in pools:
+            hw = get_profile(p.profile, cfg.affinity.profiles)
+            if hw.accelerator and p.role is not Role.SERVERLESS:
+                self.gpus += p.workers * p.gpus
+                self.cost += p.workers * p.gpus * hw.price_per_hour
+            for i in range(p.workers):
+                w = f"{p.name}-{i}"
+                self.pool_of[w] = p.name
+                for tag in tags[p.name]:
+                    by_tag[str(tag)].append(w)
+                    self.slots[(w, tag)] = Slots(p.slots)
+                if {Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH} & set(tags[p.name]):
+                    profile, gpus = hardware[p.name]
+                    device = DeviceModel(model, HardwareProfile(**profile), gpus, dev.mfu, dev.mbu,
+                                         dev.memory_utilization)
+                    self.devices[w] = device
+                    self.engines[w] = SimEngine(self.clock, w, device, dev.chunk_tokens,
+                                                dev.max_seqs, stragglers.get(p.name, 1.0))
+        self.router = orchestration.Router(by_tag)
+        self.env_slowdown = {w: stragglers.get(self.pool_of[w], 1.0)
+                             for w in by_tag[str(Tag.CPU_ENV)]}
+        train_pool = next(p for p in pools if p.role in (Role.TRAIN, Role.ALL))
+        profile, _ = hardware[train_pool.name]
+        self.trainer_device = emulated.device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
+                                                 dev)
+        self.colocated = cfg.placement == "monolithic"
+        self.pool_slots = max(1, min(sum(self.slots[(w, t)].free for w in by_tag[str(t)])
+                                     for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV)))
+        judge = cfg.reward.judge
+        self.judge_device = None
+        if judge is not None:
+            self.judge_device = emulated.device_of(
+                get_profile(judge.profile, cfg.affinity.profiles), judge.gpus, dev)
+            if cfg.reward.backend != "lambda":  # one dedicated engine every call shares
+                self.judge_engine = SimEngine(self.clock, "judge", self.judge_device,
+                                              dev.chunk_tokens, dev.max_seqs)
+        self.uses_devices = cfg.rollout.dispatch is not dispatch_mod.Dispatch.SPLIT
+
+    # -- the recipe ------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        import time
+
+        t0 = time.perf_counter()
+        for e in self.engines.values():  # the initial weights, everywhere
+            self.loads_pending += 1
+            e.pause(e.device.weight_broadcast_time(), self._loaded_initial)
+        limit = self.sim.hours * 3600 if self.sim.hours else float("inf")
+        self.clock.run(limit, lambda: self.version >= self.max_steps)
+        return self._result(time.perf_counter() - t0)
+
+    def _loaded_initial(self) -> None:
+        self.loads_pending -= 1
+        self._tick()
+
+    def _tick(self) -> None:
+        """The driver's loop body: rewards out, a batch cut, admission, ready turns out."""
+        if self._in_tick:
+            return
+        self._in_tick = True
+        try:
+            self._flush_rewards()
+            self._maybe_train()
+            self._admit()
+            self._flush_turns()
+        finally:
+            self._in_tick = False
+
+    def _admission(self) -> orchestration.AdmissionState:
+        ro = self.cfg.rollout
+        return orchestration.AdmissionState(
+            mode=self.cfg.mode, rolling_out=self.ledger.rolling_out,
+            unconsumed=self.ledger.unconsumed, batch_trajectories=self.batch_trajectories,
+            window_batches=ro.window_batches,
+            spare_trajectories=ro.spare_groups * max(t.group_size for t in self.cfg.env_tasks),
+            max_in_flight=ro.max_in_flight, pool_slots=self.pool_slots,
+            trainer_busy=self.trainer_busy, weights_syncing=self.loads_pending > 0,
+            stopping=self.stopping)
+
+    def _admit(self) -> None:
+        room = orchestration.admission_room(self._admission())
+        for gid, env_task, seed in self.draw.take(room):
+            self.collector.open_group(gid, env_task.name, env_task.group_size)
+            shard = min(range(self.sim.shards), key=lambda s: (self._shard_load[s], s))
+            for _ in range(env_task.group_size):
+                tid, self.next_id = self.next_id, self.next_id + 1
+                t = _Traj(tid, gid, env_task, seed,
+                          self.turn_counts[env_task.name].sample(self.rng), shard=shard)
+                self._shard_load[shard] += 1
+                self.ledger.admit(tid)
+                self.ledger.transition(tid, lifecycle.TrajState.ROLLING_OUT)
+                self.live[tid] = t
+                self.ready.append(t)
+
+    # -- a turn ----------------------------------------------------------------------------------
+    def _flush_turns(self) -> None:
+        ready, self.ready = self.ready, []
+        cohorts: Counter[tuple] = Counter()
+        size = self.cfg.rollout.cohort_max
+        for t in ready:
+            fresh = t.env_worker is None
+            if fresh:
+                t.env_worker = self.router.choose(Tag.CPU_ENV)
+            shape = workload.turn_shape(t.env_task.shape, self.cfg.seed, t.tid, t.turn,
+                                        t.attempt)
+            prompt = shape.prompt_tokens if shape is not None else 64
+            response = shape.response_tokens if shape is not None else 16
+            plan = self._plan(t, prompt)
+            for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
+                self.router.started(w)
+            key = (fresh, t.env_task.name if self.cfg.rollout.cohort_per_env_task else None,
+                   t.env_worker, plan.prefill_worker, plan.decode_worker, t.shard)
+            cohorts[key] += 1
+            # the cohort's tasks reach the workers once its shard's scheduler has placed them
+            n_tasks = 3 + fresh
+            first = cohorts[key] % size == 1 or size == 1
+            wait = self.schedulers[t.shard].delay(n_tasks) if first else 0.0
+            if first:
+                for stage in ("prefill", "decode", "env_step") + (("env_reset",) if fresh else ()):
+                    self.tasks[stage] += 1
+            self.clock.after(wait + self.sim.turn_overhead_s, self._start_turn, t, plan, prompt,
+                             response, fresh)
+
+    def _plan(self, t: _Traj, prompt: int) -> dispatch_mod.TurnPlan:
+        """Where the turn's prefill and decode run (as RolloutDriver._plan decides)."""
+        router = self.router
+        if not self.uses_devices:
+            dec = router.choose(Tag.GPU_BANDWIDTH, prefer=t.decode_worker)
+            pre = router.choose(Tag.GPU_COMPUTE, prefer=dec)
+            return dispatch_mod.TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
+        return dispatch_mod.plan_turn(
+            self.devices, router.load, router.workers_by_tag[str(Tag.GPU_COMPUTE)],
+            router.workers_by_tag[str(Tag.GPU_BANDWIDTH)], t.kv_at, t.decode_worker, prompt,
+            t.context, self.lengths.expected(t.env_task.name))
+
+    def _start_turn(self, t: _Traj, plan, prompt: int, response: int, fresh: bool) -> None:
+        if fresh:
+            reset, _ = self.env_latency[t.env_task.name]
+            self.slots[(t.env_worker, Tag.CPU_ENV)].acquire(
+                self._env_call, t, reset, self._after_reset, (t, plan, prompt, response))
+        else:
+            self._prefill(t, plan, prompt, response)
+
+    def _after_reset(self, t, plan, prompt, response) -> None:
+        self._prefill(t, plan, prompt, response)
+
+    def _env_call(self, t: _Traj, latency: Latency | None, then, args) -> None:
+        seconds = latency.sample(self.rng) if latency is not None else self.sim.local_env_step_s
+        seconds *= self.env_slowdown.get(t.env_worker, 1.0)
+        t.env_s += seconds
+        self.clock.after(seconds, self._env_done, t, then, args)
+
+    def _env_done(self, t: _Traj, then, args) -> None:
+        self.slots[(t.env_worker, Tag.CPU_ENV)].release()
+        then(*args)
+
+    def _prefill(self, t: _Traj, plan, prompt: int, response: int) -> None:
+        self.slots[(plan.prefill_worker, plan.prefill_tag)].acquire(
+            self._prefill_run, t, plan, prompt, response)
+
+    def _prefill_run(self, t: _Traj, plan, prompt: int, response: int) -> None:
+        engine = self.engines[plan.prefill_worker]
+        move = engine.device.kv_transfer_time(t.context) if (
+            t.kv_at is not None and t.kv_at != plan.prefill_worker) else 0.0
+
+        def done() -> None:
+            self.slots[(plan.prefill_worker, plan.prefill_tag)].release()
+            self._decode(t, plan, prompt, response)
+
+        self.clock.after(move, engine.submit, True, prompt, t.context, done)
+
+    def _decode(self, t: _Traj, plan, prompt: int, response: int) -> None:
+        self.slots[(plan.decode_worker, plan.decode_tag)].acquire(
+            self._decode_run, t, plan, prompt, response)
+
+    def _decode_run(self, t: _Traj, plan, prompt: int, response: int) -> None:
+        engine = self.engines[plan.decode_worker]
+        move = 0.0
+        if plan.prefill_worker != plan.decode_worker:
+            moved = prompt
+            if t.kv_at is not None and t.kv_at != plan.decode_worker:
+                moved = t.context + prompt
+            move = engine.device.kv_transfer_time(moved)
+        t.oldest = engine.version if t.oldest is None else min(t.oldest, engine.version)
+        context = t.context + prompt
+
+        def done() -> None:
+            self.slots[(plan.decode_worker, plan.decode_tag)].release()
+            t.context = context + response
+            t.generated += response
+            self.generated += response
+            t.kv_at = t.decode_worker = plan.decode_worker
+            self.lengths.record(t.env_task.name, response)
+            _, step = self.env_latency[t.env_task.name]
+            self.slots[(t.env_worker, Tag.CPU_ENV)].acquire(
+                self._env_call, t, step, self._turn_done, (t, plan))
+
+        self.clock.after(move, engine.submit, False, response, context, done)
+
+    def _turn_done(self, t: _Traj, plan) -> None:
+        for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
+            self.router.finished(w)
+        # the completion reaches the driver through its queue
+        self.clock.after(self.drivers[t.shard].delay(), self._on_turn, t)
+
+    def _on_turn(self, t: _Traj) -> None:
+        self.driver_events += 1
+        self.turns_done += 1
+        t.turn += 1
+        crash = self.cfg.faults.env.crash_rate
+        if crash and self.rng.random() < crash:
+            self._restart_or_drop(t)
+        elif t.turn >= t.turns or self.stopping:
+            self._finished(t)
+        else:
+            self.ready.append(t)
+        self._tick()
+
+    def _restart_or_drop(self, t: _Traj) -> None:
+        if t.attempt + 1 >= self.cfg.rollout.max_attempts:
+            self._release(t)
+            self.ledger.drop(t.tid, lifecycle.DropReason.ROLLOUT_ERROR, "env crash")
+            self._drop_member(t.group_id)
+            return
+        t.attempt += 1
+        t.turn = t.context = 0
+        t.env_worker = t.kv_at = t.decode_worker = t.oldest = None
+        self.ready.append(t)
+
+    def _release(self, t: _Traj) -> None:
+        self.live.pop(t.tid, None)
+        self._shard_load[t.shard] -= 1
+
+    def _finished(self, t: _Traj) -> None:
+        self._release(t)
+        self.ledger.transition(t.tid, lifecycle.TrajState.AWAITING_SCORE)
+        oldest = self.version if t.oldest is None else t.oldest
+        traj = Trajectory(
+            traj_id=str(t.tid), group_id=t.group_id, env_name=t.env_task.name, seed=t.seed,
+            token_ids=np.zeros(1, np.int64), loss_mask=np.ones(1, bool),
+            behaviour_logprobs=np.zeros(1, np.float32), versions=np.array([oldest]),
+            env_rewards=[], responses=[], info={}, num_turns=t.turn, truncated=False,
+            context_truncated=False, virtual_tokens=t.context)
+        self.reward_pending.append((t, traj))
+
+    def _drop_member(self, group_id: str) -> None:
+        for orphan in self.collector.drop_member(group_id):
+            self.ledger.drop(int(orphan.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
+
+    # -- reward ----------------------------------------------------------------------------------
+    def _flush_rewards(self) -> None:
+        if not self.reward_pending:
+            return
+        by_function: dict[str, list] = {}
+        for t, traj in self.reward_pending:
+            by_function.setdefault(self.lambda_function[t.env_task.name], []).append(traj)
+        self.reward_pending = []
+        r = self.cfg.reward
+        per_task = r.batch_max * r.concurrency
+        for function, trajs in by_function.items():
+            for i in range(0, len(trajs), per_task):
+                batch = trajs[i:i + per_task]
+                for traj in batch:
+                    self.ledger.transition(int(traj.traj_id), lifecycle.TrajState.SCORING)
+                self.tasks["score"] += 1
+                worker = self.router.choose(Tag.SERVERLESS)
+                wait = self.schedulers[0].delay()
+                self.clock.after(wait, self.slots[(worker, Tag.SERVERLESS)].acquire,
+                                 self._score, worker, function, batch)
+
+    def _score(self, worker: str, function: str, batch: list[Trajectory]) -> None:
+        """One score task: invocations of up to batch_max, reward.concurrency at a time."""
+        r = self.cfg.reward
+        n = len(batch)
+        calls = max(math.ceil(n / r.batch_max), min(r.concurrency, math.ceil(n / r.min_batch)))
+        size = math.ceil(n / calls)
+        chunks = [batch[i:i + size] for i in range(0, n, size)]
+        state = {"left": len(chunks), "queue": deque(chunks)}
+
+        def next_call() -> None:
+            if state["queue"]:
+                self._invoke(function, state["queue"].popleft(), call_done)
+
+        def call_done() -> None:
+            state["left"] -= 1
+            if state["left"]:
+                next_call()
+                return
+            self.slots[(worker, Tag.SERVERLESS)].release()
+            self.clock.after(self.drivers[0].delay(), self._on_scored, batch)
+
+        for _ in range(min(r.concurrency, len(chunks))):
+            next_call()
+
+    def _invoke(self, function: str, chunk: list[Trajectory], done) -> None:
+        r = self.cfg.reward
+        limit = self.sim.lambda_concurrency or (
+            r.emulator.concurrency if r.backend == "lambda" and r.emulator.enabled else 1000)
+        if self.lambda_busy[function] >= limit:  # 429: the client waits and retries
+            self.reward_calls["throttles"] += 1
+            self.clock.after(self.sim.throttle_backoff_s, self._invoke, function, chunk, done)
+            return
+        self.lambda_busy[function] += 1
+        self.reward_calls["invocations"] += 1
+        seconds = self.sim.lambda_latency_s if self.sim.lambda_latency_s is not None else (
+            r.emulator.latency_s)
+        if self.lambda_warm[function] < self.lambda_busy[function]:
+            self.lambda_warm[function] += 1
+            self.reward_calls["cold_starts"] += 1
+            seconds += self.sim.lambda_cold_start_s + r.emulator.init_delay_s
+        tokens = sum(t.virtual_tokens for t in chunk)
+
+        def finish() -> None:
+            self.lambda_busy[function] -= 1
+            done()
+
+        if self.judge_device is not None and r.backend != "lambda":
+            self.clock.after(seconds, self.judge_engine.submit, True, tokens, 0, finish)
+            return
+        if self.judge_device is not None:
+            seconds += self.judge_device.prefill_time(tokens)
+        self.clock.after(seconds, finish)
+
+    def _on_scored(self, batch: list[Trajectory]) -> None:
+        self.driver_events += 1
+        for traj in batch:
+            traj.reward = self.rng.random()
+            self.ledger.transition(int(traj.traj_id), lifecycle.TrajState.IN_GROUP)
+            for orphan in self.collector.add(traj):
+                self.ledger.drop(int(orphan.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
+        self._tick()
+
+    # -- training --------------------------------------------------------------------------------
+    def _maybe_train(self) -> None:
+        if self.trainer_busy or self.version >= self.max_steps:
+            return
+        scoring = (self.ledger.count(lifecycle.TrajState.AWAITING_SCORE)
+                   + self.ledger.count(lifecycle.TrajState.SCORING))
+        n = orchestration.groups_to_cut(self.cfg.mode, self.collector.ready_groups,
+                                        self.cfg.trainer.groups_per_step,
+                                        self.ledger.rolling_out, scoring,
+                                        self.collector.open_groups)
+        if n is None:
+            return
+        d = self.collector.take_batch(n, self.version, self.cfg.rollout.max_staleness)
+        for t in d.stale:
+            self.ledger.drop(int(t.traj_id), lifecycle.DropReason.STALE)
+        for t in d.orphaned:
+            self.ledger.drop(int(t.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
+        if not d.samples:
+            return
+        self.staleness.extend(d.staleness)
+        self._training = [int(t.traj_id) for t in d.trajectories]
+        for tid in self._training:
+            self.ledger.transition(tid, lifecycle.TrajState.TRAINING)
+        seconds = self.trainer_device.train_step_time(emulated.sequence_lengths(d.samples))
+        self.trainer_busy = True
+        self.tasks["train_step"] += 1
+        if self.colocated:  # every engine yields its GPUs for the train step
+            for e in self.engines.values():
+                e.pause(seconds, training=True)
+        seconds += self.sim.train_overhead_s
+        export = self.trainer_device.weight_broadcast_time()
+        self.trainer_busy_s += seconds + export
+        self.clock.after(self.schedulers[0].delay() + seconds + export, self._trained)
+
+    def _trained(self) -> None:
+        self.driver_events += 1
+        self.version += 1
+        for tid in self._training:
+            self.ledger.transition(tid, lifecycle.TrajState.TRAINED)
+        self._training = []
+        self.step_ends.append(self.clock.now)
+        self.trainer_busy = False
+        if self.version >= self.max_steps:
+            self.stopping = True
+        self.tasks["publish_weights"] += 1
+        for e in self.engines.values():
+            self.loads_pending += 1
+            self.tasks["load_weights"] += 1
+            e.pause(e.device.weight_broadcast_time(), lambda e=e, v=self.version: self._loaded(e, v))
+        self._tick()
+
+    def _loaded(self, engine: SimEngine, version: int) -> None:
+        self.driver_events += 1
+        engine.version = version
+        self.loads_pending -= 1
+        self._tick()
+
+    # -- report ----------------------------------------------------------------------------------
+    def _result(self, wall_s: float) -> SimResult:
+        elapsed = self.clock.now
+        ends = [0.0] + self.step_ends
+        steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        busy: dict[str, list[float]] = {}
+        for w, e in self.engines.items():
+            busy.setdefault(self.pool_of[w], []).append(e.busy_s)
+        accounts = self.ledger.summary()
+        return SimResult(
+            system=self.system, gpus=self.gpus, cost_per_hour=self.cost, elapsed_s=elapsed,
+            steps=self.version, step_times=steps,
+            busy={p: sum(v) / len(v) / max(elapsed, 1e-9) for p, v in busy.items()},
+            trainer_busy=self.trainer_busy_s / max(elapsed, 1e-9),
+            trajectories={k: accounts[k] for k in ("started", "trained", "dropped")},
+            staleness_mean=sum(self.staleness) / max(len(self.staleness), 1),
+            turns=self.turns_done, tasks=dict(self.tasks), driver_events=self.driver_events,
+            scheduler_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.schedulers],
+            driver_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.drivers],
+            generated_tokens=self.generated, events=self.clock.events, wall_s=wall_s)
+
+
+def simulate(cfg: TrainConfig, sim: SimSettings | None = None, system: str = "rollarc"
+             ) -> SimResult:
+    """Simulate one run of ``cfg``."""
+    return Simulation(cfg, sim, system).run()
