@@ -550,7 +550,9 @@ class Simulation:
             self.loads_pending += 1
             e.pause(e.device.weight_broadcast_time(), self._loaded_initial)
         limit = self.sim.hours * 3600 if self.sim.hours else float("inf")
-        self.clock.run(limit, lambda: self.version >= self.max_steps)
+        # to the end of the clock (hours), or until the last step is trained and the turns in
+        # flight have ended (as the flow's loop ends: nothing left in flight)
+        self.clock.run(limit, lambda: False)
         return self._result(time.perf_counter() - t0)
 
     def _loaded_initial(self) -> None:

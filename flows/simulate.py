@@ -1,0 +1,436 @@
+"""Simulate RollArc on a cluster you do not have: time per step of RollArc and its baselines,
+pool utilisation, the best split of a budget, and the load on the Dask scheduler and driver.
+
+The simulator (:mod:`flows.simulation`) runs the flow's own decision functions and the device
+model of the emulated backend on a virtual clock. It reads the YAML ``flows/train.py`` reads,
+plus an optional ``simulate:`` section (:class:`flows.simulation.SimSettings`: cluster size,
+hours, turns per trajectory, scheduler and driver costs, shards); dotted overrides work on both
+(``simulate.gpus=1024``).
+
+    python flows/simulate.py --config config/bench/long_tail.yaml           # the bench's cluster
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml          # 3,072 GPUs, 4 systems
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml --hours 1 --systems rollarc
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml --sweep 64 256 1024 4096
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml --split-search
+    python flows/simulate.py --validate runs/bench/long_tail              # against a bench run
+
+Where it departs from the Dask flow, on purpose: environments and the policy do not run, so the
+number of turns of a trajectory is drawn (``simulate.turns``) and rewards are random (they only
+order nothing: groups complete by time, not by reward); a cohort's members run their turns
+independently (the scheduler and driver are charged per cohort); worker loss is not simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from flows.bench_report import markdown_table
+from flows.config import (
+    ConfigError,
+    TrainConfig,
+    _apply_overrides,
+    _check_path,
+    _parse_value,
+    _validated,
+)
+from flows.simulation import SimResult, SimSettings, TurnCount, simulate
+from resources.catalog import get_profile
+from resources.pools import Role
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("rollarc", "sync-disaggregated", "async-monolithic", "sync-monolithic")
+DEFAULT_SWEEP = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> tuple[TrainConfig, SimSettings]:
+    """A training config and its ``simulate:`` section, overrides applied to both."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file {str(path)!r}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    sim = data.pop("simulate", None) or {}
+    train, settings = split_overrides(overrides)
+    _apply_overrides(data, train)
+    return _validated(data), sim_settings(sim, settings)
+
+
+def split_overrides(overrides) -> tuple[list[str], list[str]]:
+    """(the run's overrides, the ``simulate.*`` ones)."""
+    sim = [o for o in overrides if o.startswith("simulate.")]
+    return [o for o in overrides if not o.startswith("simulate.")], sim
+
+
+def sim_settings(section: dict, overrides: list[str] = ()) -> SimSettings:
+    """The ``simulate:`` section with ``simulate.key=value`` overrides, validated; a bad key
+    or value is a ConfigError naming it."""
+    section = json.loads(json.dumps(section))
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")[1:]
+        _check_path(SimSettings, parts[:1], key)
+        node = section
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_value(raw)
+    try:
+        return SimSettings.model_validate(section)
+    except Exception as exc:  # pydantic's ValidationError: name the key
+        err = exc.errors()[0]  # type: ignore[attr-defined]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"simulate.{loc}: {err['msg']}") from None
+
+
+def _gpu_pools(cfg: TrainConfig) -> list:
+    return [p for p in cfg.cluster.pools
+            if get_profile(p.profile, cfg.affinity.profiles).accelerator
+            and p.role is not Role.SERVERLESS]
+
+
+def gpus_of(cfg: TrainConfig) -> int:
+    return sum(p.workers * p.gpus for p in _gpu_pools(cfg))
+
+
+def scaled(cfg: TrainConfig, gpus: int) -> list[str]:
+    """Overrides that grow (or shrink) ``cfg`` to about ``gpus`` GPUs: every GPU pool's and the
+    environment pool's workers, the batch and the admission caps by one factor (weak scaling:
+    the batch grows with the cluster that rolls it out)."""
+    f = gpus / gpus_of(cfg)
+    out = []
+    for i, p in enumerate(cfg.cluster.pools):
+        if p.role in (Role.INFERENCE, Role.ENV, Role.ALL):
+            out.append(f"cluster.pools.{i}.workers={max(1, round(p.workers * f))}")
+        elif p.role is Role.TRAIN:
+            out.append(f"cluster.pools.{i}.gpus={max(1, round(p.gpus * p.workers * f))}")
+    groups = max(1, round(cfg.trainer.groups_per_step * f))
+    out += [f"trainer.groups_per_step={groups}",
+            f"rollout.max_in_flight={max(round(cfg.rollout.max_in_flight * f), 8)}"]
+    return out
+
+
+def monolithic_shape(cfg: TrainConfig) -> tuple[int, int]:
+    """(workers, GPUs each) of the monolithic profile at about the hourly cost of the
+    disaggregated GPU pools; an engine as large as the largest inference engine (the model
+    must fit)."""
+    cost = sum(p.workers * p.gpus * get_profile(p.profile, cfg.affinity.profiles).price_per_hour
+               for p in _gpu_pools(cfg))
+    gpus = max(p.gpus for p in cfg.cluster.pools if p.role is Role.INFERENCE)
+    price = get_profile(cfg.cluster.monolithic_profile, cfg.affinity.profiles).price_per_hour
+    return max(1, round(cost / (price * gpus))), gpus
+
+
+def system_overrides(cfg: TrainConfig, system: str) -> list[str]:
+    workers, gpus = monolithic_shape(cfg)
+    mono = ["placement=monolithic", f"cluster.monolithic_workers={workers}",
+            f"cluster.monolithic_gpus={gpus}"]
+    return {"rollarc": [], "sync-disaggregated": ["mode=sync"], "async-monolithic": mono,
+            "sync-monolithic": ["mode=sync", *mono]}[system]
+
+
+def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    data = cfg.model_dump(mode="json")
+    _apply_overrides(data, overrides)
+    return _validated(data)
+
+
+def run_systems(cfg: TrainConfig, sim: SimSettings, systems=SYSTEMS) -> dict[str, SimResult]:
+    return {name: simulate(with_overrides(cfg, system_overrides(cfg, name)), sim, name)
+            for name in systems}
+
+
+# -- tables ---------------------------------------------------------------------------------------
+
+
+def systems_table(results: dict[str, SimResult], capacity: dict | None = None) -> str:
+    base = results.get("rollarc")
+    rows = []
+    for name, r in results.items():
+        busy = ", ".join(f"{p} {b:.0%}" for p, b in r.busy.items())
+        load = f"{r.tasks_per_s:,.0f} / {r.driver_events_per_s:,.0f}"
+        rows.append([name, f"{r.gpus:,} (${r.cost_per_hour:,.0f})", f"{r.step_s:.1f}",
+                     f"{r.step_s / base.step_s:.2f}" if base else "-", busy,
+                     f"{r.trainer_busy:.0%}", f"{r.staleness_mean:.2f}", load,
+                     f"{r.wall_s:.1f}"])
+    return markdown_table(["system", "GPUs ($/h)", "s/step", "x vs rollarc", "busy per pool",
+                           "trainer busy", "staleness", "tasks/s / driver events/s",
+                           "sim wall s"], rows)
+
+
+# -- validation against an emulated bench run ----------------------------------------------------
+
+
+def calibration(run_dir: Path, cfg: TrainConfig, figures: dict) -> list[str]:
+    """Overrides that give the simulator what the emulated run measured and the simulator
+    cannot know: turns per trajectory by env task (the policy's and environments' doing), the
+    orchestration time per turn and the trainer's real work per step (both in emulated
+    seconds)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    rows = [r for r in rows if "train/step" in r]
+    out = []
+    for t in cfg.env_tasks:
+        n = sum(r.get(f"env/{t.name}/trajectories", 0) for r in rows)
+        turns = sum(r.get(f"env/{t.name}/turns", 0) * r.get(f"env/{t.name}/trajectories", 0)
+                    for r in rows)
+        if n:
+            out.append(f"simulate.turns.{t.name}={{mean: {turns / n:.4f}}}")
+    scale = cfg.engine.time_scale
+    overhead = figures.get("overhead", {}).get("orchestration_ms", 0.0) / 1e3 / scale
+    out.append(f"simulate.turn_overhead_s={overhead:.4f}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trainer_emulated = sum((w.get("trainer") or {}).get("emulated_busy_s", 0.0)
+                           for w in summary["workers"].values())
+    steps = max(len(rows), 1)
+    real = sum(r.get("train/seconds", 0.0) for r in rows) / scale
+    # train/seconds holds the real step and the scaled emulated wait; the export is not in it
+    extra = max(0.0, (real - trainer_emulated) / steps)
+    out.append(f"simulate.train_overhead_s={extra:.4f}")
+    return out
+
+
+def validate(bench_dir: Path, out: Path | None = None) -> tuple[str, list[dict]]:
+    """Each system of a bench run (``flows/bench.py --out DIR``) simulated with the same
+    config and seeds: step time and busy fraction per pool, emulated against simulated."""
+    bench = json.loads((bench_dir / "bench.json").read_text())
+    workload = Path(bench["workload"]).stem
+    rows, records = [], []
+    for name, fig in bench["results"].items():
+        run_dir = bench_dir / "runs" / f"{name}-0"
+        cfg = _validated(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        sim_over = calibration(run_dir, cfg, fig)
+        r = simulate(cfg, sim_settings({}, sim_over), name)
+        step_e, step_s = fig["step_s_median"], r.step_s
+        rec = {"workload": workload, "system": name, "emulated_step_s": step_e,
+               "simulated_step_s": step_s, "step_error": step_s / step_e - 1,
+               "emulated_busy": fig["busy_fraction"], "simulated_busy": r.busy,
+               "calibration": sim_over}
+        records.append(rec)
+        busy = "; ".join(f"{p} {fig['busy_fraction'][p]:.0%} / {r.busy.get(p, float('nan')):.0%}"
+                         for p in fig["busy_fraction"])
+        rows.append([workload, name, f"{step_e:.1f}", f"{step_s:.1f}",
+                     f"{rec['step_error']:+.0%}", busy])
+    table = markdown_table(["workload", "system", "emulated s/step", "simulated s/step",
+                            "error", "busy per pool, emulated / simulated"], rows)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.json").write_text(json.dumps(records, indent=1))
+    return table, records
+
+
+# -- at scale --------------------------------------------------------------------------------------
+
+
+def sweep(cfg: TrainConfig, sim: SimSettings, gpus: list[int]) -> list[dict]:
+    """The four systems at each cluster size (the config scaled to it)."""
+    out = []
+    for n in gpus:
+        c = with_overrides(cfg, scaled(cfg, n))
+        results = run_systems(c, sim)
+        out.append({"gpus": n, "results": {k: v.as_dict() for k, v in results.items()}})
+        logger.info("%d GPUs: %s", n, {k: round(v.step_s, 1) for k, v in results.items()})
+    return out
+
+
+def split_search(cfg: TrainConfig, sim: SimSettings, budget: float | None = None,
+                 steps: int = 4) -> list[dict]:
+    """The best split of an hourly budget between the prefill (H800), decode (H20) and
+    trainer pools, and the environment pool's size: a small grid, each point simulated for a
+    few steps of ``rollarc``. Returned best first."""
+    pools = cfg.cluster.pools
+    idx = {p.role: i for i, p in enumerate(pools) if p.role is not Role.INFERENCE}
+    inf = [i for i, p in enumerate(pools) if p.role is Role.INFERENCE]
+    price = {i: get_profile(pools[i].profile, cfg.affinity.profiles).price_per_hour
+             for i in range(len(pools))}
+    budget = budget or sum(pools[i].workers * pools[i].gpus * price[i] for i in inf) + (
+        pools[idx[Role.TRAIN]].gpus * pools[idx[Role.TRAIN]].workers * price[idx[Role.TRAIN]])
+    env_i = idx[Role.ENV]
+    out = []
+    for train_share in (0.1, 0.2, 0.3):
+        for prefill_share in (0.05, 0.1, 0.2, 0.3):
+            for env_factor in (0.5, 1.0, 2.0):
+                decode_share = 1 - train_share - prefill_share
+                over = [f"trainer.max_steps={steps}"]
+                shares = {inf[0]: prefill_share, inf[1]: decode_share}
+                for i, share in shares.items():
+                    engines = max(1, math.floor(budget * share / (price[i] * pools[i].gpus)))
+                    over.append(f"cluster.pools.{i}.workers={engines}")
+                t = idx[Role.TRAIN]
+                over.append(f"cluster.pools.{t}.gpus="
+                            f"{max(1, math.floor(budget * train_share / price[t]))}")
+                over.append(f"cluster.pools.{env_i}.workers="
+                            f"{max(1, round(pools[env_i].workers * env_factor))}")
+                c = with_overrides(cfg, over)
+                r = simulate(c, sim.model_copy(update={"hours": None}), "rollarc")
+                out.append({"train_share": train_share, "prefill_share": prefill_share,
+                            "decode_share": decode_share, "env_workers": c.cluster.pools[
+                                env_i].workers, "gpus": r.gpus, "cost_per_hour": r.cost_per_hour,
+                            "step_s": r.step_s, "busy": r.busy, "trainer_busy": r.trainer_busy})
+    return sorted(out, key=lambda x: x["step_s"])
+
+
+# -- pictures --------------------------------------------------------------------------------------
+
+
+def plot_scaling(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = [p["gpus"] for p in points]
+    for base in SYSTEMS[1:]:
+        ys = [p["results"][base]["step_s"] / p["results"]["rollarc"]["step_s"] for p in points]
+        ax.plot(xs, ys, marker="o", label=f"vs {base}")
+    ax.axhspan(1.35, 2.05, color="grey", alpha=0.15, label="arXiv 2512.22560: 1.35-2.05x")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("speedup of rollarc (step time ratio)")
+    ax.set_title("RollArc against its baselines at equal hourly cost (simulated)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scheduler_load(points: list[dict], capacity: dict, path: Path,
+                        remedies: dict[str, list[dict]] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = [p["gpus"] for p in points]
+    ax.plot(xs, [p["results"]["rollarc"]["tasks_per_s"] for p in points], marker="o",
+            label="scheduler: tasks/s (one scheduler)")
+    ax.plot(xs, [p["results"]["rollarc"]["driver_events_per_s"] for p in points], marker="s",
+            label="driver: completions/s (one driver)")
+    for name, pts in (remedies or {}).items():
+        ax.plot([p["gpus"] for p in pts], [p["tasks_per_s"] for p in pts], ls="--",
+                marker=".", label=f"{name}: tasks/s per scheduler")
+    if capacity.get("tasks_per_s"):
+        ax.axhline(capacity["tasks_per_s"], color="C3", ls=":",
+                   label=f"measured scheduler capacity ({capacity['tasks_per_s']:,.0f} tasks/s)")
+    if capacity.get("driver_events_per_s"):
+        ax.axhline(capacity["driver_events_per_s"], color="C4", ls=":",
+                   label=f"measured driver capacity ({capacity['driver_events_per_s']:,.0f}/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("per second")
+    ax.set_title("Control-plane load of rollarc against one scheduler's capacity")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="training YAML (with an optional simulate: section)")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--hours", type=float, default=None, help="simulated hours (default: "
+                   "trainer.max_steps)")
+    p.add_argument("--sweep", nargs="*", type=int, default=None, metavar="GPUS",
+                   help="cluster sizes to scale the config to (no value: 64 ... 4096)")
+    p.add_argument("--split-search", action="store_true",
+                   help="search the best split of the config's hourly GPU budget")
+    p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_DIR",
+                   help="simulate each system of these bench runs and compare")
+    p.add_argument("--capacity", default=None, help="scheduler capacity JSON of "
+                   "flows/bench_scheduler.py (sets the scheduler and driver costs)")
+    p.add_argument("--out", default=None, help="output directory (default runs/simulate)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides (simulate.* too)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console = Console()
+    out = Path(args.out or "runs/simulate")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.validate:
+            tables = []
+            for d in args.validate:
+                table, _ = validate(Path(d), out / Path(d).name)
+                tables.append(table)
+            text = "\n\n".join(tables)
+            (out / "validation.md").write_text(text + "\n")
+            console.print(text)
+            return 0
+        if not args.config:
+            p.error("--config is required (or --validate)")
+        overrides = list(args.overrides)
+        if args.hours:
+            overrides.append(f"simulate.hours={args.hours}")
+        cfg, sim = load(args.config, overrides)
+        capacity = {}
+        if args.capacity:
+            capacity = json.loads(Path(args.capacity).read_text())
+            sim = sim.model_copy(update={
+                "scheduler_us_per_task": capacity["scheduler_us_per_task"],
+                "driver_us_per_event": capacity["driver_us_per_turn"]})
+        if sim.gpus:
+            cfg = with_overrides(cfg, scaled(cfg, sim.gpus))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if args.split_search:
+        ranked = split_search(cfg, sim)
+        (out / "split.json").write_text(json.dumps(ranked, indent=1))
+        rows = [[f"{r['prefill_share']:.0%} / {r['decode_share']:.0%} / {r['train_share']:.0%}",
+                 r["env_workers"], f"{r['gpus']:,}", f"${r['cost_per_hour']:,.0f}",
+                 f"{r['step_s']:.1f}", ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()),
+                 f"{r['trainer_busy']:.0%}"] for r in ranked[:8]]
+        console.print(markdown_table(["prefill / decode / trainer $", "env workers", "GPUs",
+                                      "$/h", "s/step", "busy", "trainer busy"], rows))
+        return 0
+    if args.sweep is not None:
+        points = sweep(cfg, sim, args.sweep or list(DEFAULT_SWEEP))
+        (out / "sweep.json").write_text(json.dumps(points, indent=1))
+        plot_scaling(points, out / "scaling.png")
+        plot_scheduler_load(points, capacity, out / "scheduler_load.png")
+        rows = []
+        for pt in points:
+            r = pt["results"]
+            rows.append([f"{pt['gpus']:,}"] + [f"{r[s]['step_s']:.1f}" for s in SYSTEMS]
+                        + [f"{r[s]['step_s'] / r['rollarc']['step_s']:.2f}" for s in SYSTEMS[1:]]
+                        + [f"{r['rollarc']['tasks_per_s']:,.0f}"])
+        console.print(markdown_table(["GPUs"] + [f"{s} s/step" for s in SYSTEMS]
+                                     + [f"x {s}" for s in SYSTEMS[1:]] + ["tasks/s"], rows))
+        console.print(f"[{time.perf_counter() - t0:.0f} s] {out}/scaling.png, "
+                      f"{out}/scheduler_load.png")
+        return 0
+    results = run_systems(cfg, sim, args.systems)
+    (out / "simulate.json").write_text(json.dumps({k: v.as_dict() for k, v in results.items()},
+                                                  indent=1))
+    text = systems_table(results, capacity)
+    (out / "simulate.md").write_text(text + "\n")
+    console.print(text)
+    console.print(f"simulated in {time.perf_counter() - t0:.1f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
