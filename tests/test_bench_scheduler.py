@@ -1,0 +1,83 @@
+"""flows/bench_scheduler.py with tiny budgets: the figures' structure and counts (never their
+values), the JSON round trip, no process left behind, and the script as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.bench_scheduler import (
+    CAPACITY_FILE,
+    SchedulerCapacity,
+    load_capacity,
+    measure,
+    save_capacity,
+)
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _alive_children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_measure_counts_add_up_and_round_trip(tmp_path):
+    before = _alive_children()
+    cap = measure(seconds=0.5, concurrency=(2, 8), chains=40, cohort=4, threads=2,
+                  turns_per_trajectory=3)
+    assert _alive_children() <= before, "a scheduler or worker process was left running"
+
+    for static, mapped in ((cap.static, False), (cap.static_mapped, True)):
+        assert static.mapped is mapped and static.chains == 40 and static.tasks == 120
+        assert static.wall_s > 0 and static.tasks_per_s > 0
+        assert static.scheduler_us_per_task > 0 and static.driver_us_per_task > 0
+    assert [r.concurrency for r in cap.dynamic] == [2, 8]
+    assert all(r.cohort == 1 for r in cap.dynamic)
+    for r in cap.dynamic:
+        assert r.errors == 0
+        # every trajectory in flight finished at least its first turn (the run drains)
+        assert r.turns >= r.concurrency
+        assert r.tasks == 3 * r.turns
+        assert r.turns_per_s > 0 and r.driver_us_per_turn > 0 and r.scheduler_us_per_task > 0
+    (b,) = cap.batched
+    assert (b.concurrency, b.cohort, b.errors) == (8, 4, 0)
+    # one task stands for a cohort's 4 turns
+    assert b.turns % 4 == 0 and b.tasks == 3 * b.turns // 4 and b.turns >= 8
+
+    assert cap.tasks_per_s == cap.static.tasks_per_s
+    assert cap.mapped_tasks_per_s == cap.static_mapped.tasks_per_s
+    assert cap.turns_per_s == max(r.turns_per_s for r in cap.dynamic)
+    assert cap.batched_turns_per_s == b.turns_per_s
+    assert cap.machine.cpu_count >= 1 and cap.machine.dask_version and cap.seconds == 0.5
+
+    path = save_capacity(cap, tmp_path / "out")
+    assert path == tmp_path / "out" / CAPACITY_FILE
+    assert load_capacity(path) == cap == load_capacity(tmp_path / "out")
+    assert isinstance(load_capacity(path), SchedulerCapacity)
+
+
+def test_script_runs_as_a_user_runs_it(tmp_path):
+    out = tmp_path / "bench"
+    before = _alive_children()
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "flows/bench_scheduler.py", "--seconds", "1",
+                           "--chains", "30", "--concurrency", "4", "--cohort", "2",
+                           "--threads", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _alive_children() <= before
+    cap = load_capacity(out)
+    assert [r.concurrency for r in cap.dynamic] == [4]
+    assert cap.dynamic[0].tasks == 3 * cap.dynamic[0].turns and cap.batched[0].cohort == 2
+    table = (out / "capacity.md").read_text()
+    assert "static graph (client.submit)" in table and "batched (cohort 2)" in table
+    assert "| dynamic turns | C=4 |" in proc.stdout
