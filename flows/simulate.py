@@ -42,7 +42,7 @@ from flows.config import (
     _parse_value,
     _validated,
 )
-from flows.simulation import SimResult, SimSettings, TurnCount, simulate
+from flows.simulation import SimResult, SimSettings, simulate
 from resources.catalog import get_profile
 from resources.pools import Role
 
@@ -150,6 +150,18 @@ def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
 def run_systems(cfg: TrainConfig, sim: SimSettings, systems=SYSTEMS) -> dict[str, SimResult]:
     return {name: simulate(with_overrides(cfg, system_overrides(cfg, name)), sim, name)
             for name in systems}
+
+
+def capacity_costs(capacity: dict) -> dict:
+    """The scheduler's and the driver's price per task and per completion, from
+    ``flows/bench_scheduler.py``'s JSON: the dynamic measurement at its best concurrency (the
+    driver's pattern), and the capacities they imply (one core each)."""
+    dynamic = capacity.get("dynamic") or []
+    best = max(dynamic, key=lambda d: d["turns_per_s"]) if dynamic else capacity
+    scheduler_us = best["scheduler_us_per_task"]
+    driver_us = best["driver_us_per_turn"]
+    return {"scheduler_us_per_task": scheduler_us, "driver_us_per_event": driver_us,
+            "tasks_per_s": 1e6 / scheduler_us, "driver_events_per_s": 1e6 / driver_us}
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -282,6 +294,32 @@ def split_search(cfg: TrainConfig, sim: SimSettings, budget: float | None = None
     return sorted(out, key=lambda x: x["step_s"])
 
 
+REMEDIES = {"one scheduler": [], "2 shards": ["simulate.shards=2"],
+            "4 shards": ["simulate.shards=4"], "cohorts of 8": ["rollout.cohort_max=8"]}
+
+
+def load_study(cfg: TrainConfig, sim: SimSettings, gpus: list[int],
+               remedies: dict[str, list[str]] = REMEDIES) -> list[dict]:
+    """``rollarc`` at each cluster size with the scheduler and driver costs of ``sim``, as it
+    is and with each remedy: tasks and completions per second per scheduler and driver, their
+    busy shares, and the step time (a saturated control plane shows as time)."""
+    out = []
+    for n in gpus:
+        for name, over in remedies.items():
+            train, sim_over = split_overrides(over)
+            c = with_overrides(cfg, scaled(cfg, n) + train)
+            s = sim_settings(sim.model_dump(), sim_over)
+            r = simulate(c, s, "rollarc")
+            out.append({"gpus": n, "remedy": name, "shards": s.shards, "step_s": r.step_s,
+                        "tasks_per_s": r.tasks_per_s / s.shards,
+                        "driver_events_per_s": r.driver_events_per_s / s.shards,
+                        "scheduler_busy": max(r.scheduler_busy),
+                        "driver_busy": max(r.driver_busy), "wall_s": r.wall_s})
+            logger.info("%d GPUs, %s: %.1f s/step, %.0f tasks/s per scheduler", n, name,
+                        r.step_s, out[-1]["tasks_per_s"])
+    return out
+
+
 # -- pictures --------------------------------------------------------------------------------------
 
 
@@ -309,35 +347,41 @@ def plot_scaling(points: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_scheduler_load(points: list[dict], capacity: dict, path: Path,
-                        remedies: dict[str, list[dict]] | None = None) -> None:
+def plot_scheduler_load(points: list[dict], capacity: dict, path: Path) -> None:
+    """Tasks/s per scheduler and completions/s per driver against GPUs, for each remedy, with
+    the measured capacities; and the step time, where saturation shows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [p["gpus"] for p in points]
-    ax.plot(xs, [p["results"]["rollarc"]["tasks_per_s"] for p in points], marker="o",
-            label="scheduler: tasks/s (one scheduler)")
-    ax.plot(xs, [p["results"]["rollarc"]["driver_events_per_s"] for p in points], marker="s",
-            label="driver: completions/s (one driver)")
-    for name, pts in (remedies or {}).items():
-        ax.plot([p["gpus"] for p in pts], [p["tasks_per_s"] for p in pts], ls="--",
-                marker=".", label=f"{name}: tasks/s per scheduler")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    remedies = list(dict.fromkeys(p["remedy"] for p in points))
+    for i, name in enumerate(remedies):
+        pts = [p for p in points if p["remedy"] == name]
+        xs = [p["gpus"] for p in pts]
+        ax.plot(xs, [p["tasks_per_s"] for p in pts], marker="o", color=f"C{i}",
+                label=f"{name}: tasks/s per scheduler")
+        ax.plot(xs, [p["driver_events_per_s"] for p in pts], marker="s", ls="--",
+                color=f"C{i}", label=f"{name}: completions/s per driver")
+        ax2.plot(xs, [p["step_s"] for p in pts], marker="o", color=f"C{i}", label=name)
     if capacity.get("tasks_per_s"):
-        ax.axhline(capacity["tasks_per_s"], color="C3", ls=":",
-                   label=f"measured scheduler capacity ({capacity['tasks_per_s']:,.0f} tasks/s)")
-    if capacity.get("driver_events_per_s"):
-        ax.axhline(capacity["driver_events_per_s"], color="C4", ls=":",
-                   label=f"measured driver capacity ({capacity['driver_events_per_s']:,.0f}/s)")
-    ax.set_xscale("log", base=2)
+        ax.axhline(capacity["tasks_per_s"], color="red", ls=":",
+                   label=f"one scheduler, measured ({capacity['tasks_per_s']:,.0f} tasks/s)")
+        ax.axhline(capacity["driver_events_per_s"], color="purple", ls=":",
+                   label=f"one driver, measured ({capacity['driver_events_per_s']:,.0f}/s)")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        xs = sorted({p["gpus"] for p in points})
+        a.set_xticks(xs, [str(x) for x in xs])
+        a.set_xlabel("GPUs")
     ax.set_yscale("log")
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("GPUs")
     ax.set_ylabel("per second")
-    ax.set_title("Control-plane load of rollarc against one scheduler's capacity")
-    ax.legend(fontsize=7)
+    ax.set_title("Control-plane load against measured capacity", fontsize=10)
+    ax.legend(fontsize=6)
+    ax2.set_ylabel("s/step (simulated)")
+    ax2.set_title("Step time with the scheduler and driver as queues", fontsize=10)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -355,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
                    "trainer.max_steps)")
     p.add_argument("--sweep", nargs="*", type=int, default=None, metavar="GPUS",
                    help="cluster sizes to scale the config to (no value: 64 ... 4096)")
+    p.add_argument("--load", nargs="*", type=int, default=None, metavar="GPUS",
+                   help="scheduler and driver load of rollarc at these sizes, with remedies "
+                   "(needs --capacity)")
     p.add_argument("--split-search", action="store_true",
                    help="search the best split of the config's hourly GPU budget")
     p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_DIR",
@@ -386,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg, sim = load(args.config, overrides)
         capacity = {}
         if args.capacity:
-            capacity = json.loads(Path(args.capacity).read_text())
+            capacity = capacity_costs(json.loads(Path(args.capacity).read_text()))
             sim = sim.model_copy(update={
                 "scheduler_us_per_task": capacity["scheduler_us_per_task"],
-                "driver_us_per_event": capacity["driver_us_per_turn"]})
+                "driver_us_per_event": capacity["driver_us_per_event"]})
         if sim.gpus:
             cfg = with_overrides(cfg, scaled(cfg, sim.gpus))
     except ConfigError as exc:
@@ -410,7 +457,6 @@ def main(argv: list[str] | None = None) -> int:
         points = sweep(cfg, sim, args.sweep or list(DEFAULT_SWEEP))
         (out / "sweep.json").write_text(json.dumps(points, indent=1))
         plot_scaling(points, out / "scaling.png")
-        plot_scheduler_load(points, capacity, out / "scheduler_load.png")
         rows = []
         for pt in points:
             r = pt["results"]
@@ -419,8 +465,22 @@ def main(argv: list[str] | None = None) -> int:
                         + [f"{r['rollarc']['tasks_per_s']:,.0f}"])
         console.print(markdown_table(["GPUs"] + [f"{s} s/step" for s in SYSTEMS]
                                      + [f"x {s}" for s in SYSTEMS[1:]] + ["tasks/s"], rows))
-        console.print(f"[{time.perf_counter() - t0:.0f} s] {out}/scaling.png, "
-                      f"{out}/scheduler_load.png")
+        console.print(f"[{time.perf_counter() - t0:.0f} s] {out}/scaling.png")
+        return 0
+    if args.load is not None:
+        if not capacity:
+            p.error("--load needs --capacity (flows/bench_scheduler.py's capacity.json)")
+        points = load_study(cfg, sim, args.load or list(DEFAULT_SWEEP))
+        (out / "load.json").write_text(json.dumps({"capacity": capacity, "points": points},
+                                                  indent=1))
+        plot_scheduler_load(points, capacity, out / "scheduler_load.png")
+        rows = [[f"{x['gpus']:,}", x["remedy"], f"{x['step_s']:.1f}",
+                 f"{x['tasks_per_s']:,.0f}", f"{x['scheduler_busy']:.0%}",
+                 f"{x['driver_events_per_s']:,.0f}", f"{x['driver_busy']:.0%}"] for x in points]
+        console.print(markdown_table(["GPUs", "control plane", "s/step", "tasks/s per scheduler",
+                                      "scheduler busy", "completions/s per driver",
+                                      "driver busy"], rows))
+        console.print(f"[{time.perf_counter() - t0:.0f} s] {out}/scheduler_load.png")
         return 0
     results = run_systems(cfg, sim, args.systems)
     (out / "simulate.json").write_text(json.dumps({k: v.as_dict() for k, v in results.items()},

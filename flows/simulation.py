@@ -111,6 +111,9 @@ class SimSettings(BaseModel):
                                            "reward.emulator.latency_s)")
     throttle_backoff_s: float = Field(default=0.1, ge=0, description="Wait before a throttled "
                                       "call is retried")
+    reward_flush_s: float = Field(default=0.1, ge=0, description="The driver sends the "
+                                  "finished trajectories waiting for scoring at most this "
+                                  "often (its loop gathers completions for about as long)")
     seed: int | None = Field(default=None, description="Seed of the simulator's own draws "
                              "(null: the run's)")
 
@@ -398,25 +401,17 @@ class SimResult:
     driver_busy: list[float]
     generated_tokens: int
     events: int  # simulator events processed
+    tasks_per_s: float  # scheduler tasks per second while training (to the last step)
+    driver_events_per_s: float  # completions the driver handled per second, likewise
     wall_s: float = 0.0  # real seconds the simulation took
 
     @property
     def step_s(self) -> float:
         return median(self.step_times) if self.step_times else float("nan")
 
-    @property
-    def tasks_per_s(self) -> float:
-        return sum(self.tasks.values()) / max(self.elapsed_s, 1e-9)
-
-    @property
-    def driver_events_per_s(self) -> float:
-        return self.driver_events / max(self.elapsed_s, 1e-9)
-
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "step_times"}
-        return d | {"step_s": self.step_s, "tasks_per_s": self.tasks_per_s,
-                    "driver_events_per_s": self.driver_events_per_s,
-                    "step_times": [round(s, 3) for s in self.step_times]}
+        return d | {"step_s": self.step_s, "step_times": [round(s, 3) for s in self.step_times]}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -486,6 +481,8 @@ class Simulation:
             mean=_max_turns(t.env) or 1, max=_max_turns(t.env) or 1000) for t in cfg.env_tasks}
         self.env_latency = {t.name: _latencies(cfg.faults.env_spec(t.env)) for t in cfg.env_tasks}
         self._in_tick = False
+        self._flush_due = False
+        self._rates_at: tuple[float, int, int] | None = None  # (time, tasks, driver events)
 
     # -- cluster ---------------------------------------------------------------------------------
     def _build_cluster(self) -> None:
@@ -565,12 +562,18 @@ class Simulation:
             return
         self._in_tick = True
         try:
-            self._flush_rewards()
+            if self.reward_pending and not self._flush_due:
+                self._flush_due = True
+                self.clock.after(self.sim.reward_flush_s, self._reward_flush)
             self._maybe_train()
             self._admit()
             self._flush_turns()
         finally:
             self._in_tick = False
+
+    def _reward_flush(self) -> None:
+        self._flush_due = False
+        self._flush_rewards()
 
     def _admission(self) -> orchestration.AdmissionState:
         ro = self.cfg.rollout
@@ -877,6 +880,8 @@ class Simulation:
             self.ledger.transition(tid, lifecycle.TrajState.TRAINED)
         self._training = []
         self.step_ends.append(self.clock.now)
+        # rates are over the training, not the drain after its last step
+        self._rates_at = (self.clock.now, sum(self.tasks.values()), self.driver_events)
         self.trainer_busy = False
         if self.version >= self.max_steps:
             self.stopping = True
@@ -902,6 +907,8 @@ class Simulation:
         for w, e in self.engines.items():
             busy.setdefault(self.pool_of[w], []).append(e.busy_s)
         accounts = self.ledger.summary()
+        until, tasks, events = self._rates_at or (elapsed, sum(self.tasks.values()),
+                                                  self.driver_events)
         return SimResult(
             system=self.system, gpus=self.gpus, cost_per_hour=self.cost, elapsed_s=elapsed,
             steps=self.version, step_times=steps,
@@ -912,7 +919,9 @@ class Simulation:
             turns=self.turns_done, tasks=dict(self.tasks), driver_events=self.driver_events,
             scheduler_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.schedulers],
             driver_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.drivers],
-            generated_tokens=self.generated, events=self.clock.events, wall_s=wall_s)
+            generated_tokens=self.generated, events=self.clock.events,
+            tasks_per_s=tasks / max(until, 1e-9), driver_events_per_s=events / max(until, 1e-9),
+            wall_s=wall_s)
 
 
 def simulate(cfg: TrainConfig, sim: SimSettings | None = None, system: str = "rollarc"
