@@ -550,6 +550,8 @@ class Simulation:
         # to the end of the clock (hours), or until the last step is trained and the turns in
         # flight have ended (as the flow's loop ends: nothing left in flight)
         self.clock.run(limit, lambda: False)
+        for tid in self.ledger.live():  # as the flow ends: what is left was not trained
+            self.ledger.drop(tid, lifecycle.DropReason.RUN_ENDED)
         return self._result(time.perf_counter() - t0)
 
     def _loaded_initial(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flows import simulate
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
 from flows.launch import start_reward_service
 from tasks.components import accepts, describe, instantiate, resolve
@@ -20,7 +21,8 @@ CONFIGS = sorted(p for p in (ROOT / "config").rglob("*.yaml") if p.parent.name !
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_and_components_resolve(path):
-    cfg = load_config(path)
+    # config/scale/ holds clusters for flows/simulate.py: a run's config plus `simulate:`
+    cfg = simulate.load(path)[0] if path.parent.name == "scale" else load_config(path)
     for task in cfg.env_tasks:
         # remote-latency environments of the bench workloads wait a thousandth of their latency
         scaled = {"time_scale": 1e-3} if accepts(resolve(task.env["_component_"]),

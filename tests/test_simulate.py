@@ -1,0 +1,143 @@
+"""The simulator (flows/simulation.py, flows/simulate.py): deterministic, driven by the flow's
+own decision functions, engines on the device model, and its command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows import orchestration, simulate
+from flows.simulation import Clock, SimEngine, SimSettings, TurnCount, simulate as run_sim
+from resources.catalog import get_profile
+from resources.device_model import DeviceModel, model_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG_TAIL = ROOT / "config" / "bench" / "long_tail.yaml"
+
+
+def _cfg(*overrides):
+    return simulate.load(LONG_TAIL, ["trainer.max_steps=3", *overrides])
+
+
+def test_the_simulation_is_deterministic_for_a_seed():
+    cfg, sim = _cfg()
+    a, b = run_sim(cfg, sim), run_sim(cfg, sim)
+    assert a.step_times == b.step_times and a.tasks == b.tasks and a.busy == b.busy
+    assert a.steps == 3 and a.trajectories["trained"] > 0
+    c = run_sim(*_cfg("seed=1"))
+    assert c.step_times != a.step_times  # another seed, other turn lengths
+
+
+def test_it_calls_the_flows_admission_room(monkeypatch):
+    """Replacing the flow's admission decision changes the simulated run: it is the flow's,
+    not a copy."""
+    cfg, sim = _cfg()
+    base = run_sim(cfg, sim)
+    calls = []
+    real = orchestration.admission_room
+
+    def one_group_at_a_time(state):
+        calls.append(state)
+        return min(real(state), 8 - state.rolling_out) if state.rolling_out < 8 else 0
+
+    monkeypatch.setattr(orchestration, "admission_room", one_group_at_a_time)
+    narrow = run_sim(cfg, sim)
+    assert calls and all(c.max_in_flight == cfg.rollout.max_in_flight for c in calls)
+    assert narrow.steps == base.steps == 3
+    assert narrow.step_s > 1.5 * base.step_s  # one group rolling out at a time is slower
+    assert max(narrow.busy.values()) < max(base.busy.values())
+
+
+def test_sync_cuts_at_the_barrier_and_async_overlaps_training():
+    cfg, sim = _cfg()
+    a = run_sim(cfg, sim)
+    s = run_sim(simulate.with_overrides(cfg, ["mode=sync"]), sim)
+    assert s.staleness_mean == 0 and a.staleness_mean > 0
+    assert s.step_s > a.step_s
+    assert sum(s.trajectories["dropped"].values()) == 0
+    for r in (a, s):  # every trajectory is accounted for
+        t = r.trajectories
+        assert t["started"] == t["trained"] + sum(t["dropped"].values())
+
+
+def _engine(clock, chunk=8192):
+    dev = DeviceModel(model_spec("dense-8b"), get_profile("H20"), 4)
+    return SimEngine(clock, "e", dev, chunk, 256), dev
+
+
+def test_an_engine_decodes_and_prefills_in_device_model_time():
+    clock = Clock()
+    engine, dev = _engine(clock)
+    done = []
+    engine.submit(False, 100, 1000, lambda: done.append(clock.now))
+    clock.run(1e9, lambda: False)
+    # one decode alone: 100 steps at its mid context, as the emulated engine times it
+    assert done[0] == pytest.approx(100 * dev.decode_step_time([1000 + 50]), rel=1e-9)
+    clock2 = Clock()
+    engine2, dev2 = _engine(clock2, chunk=1000)
+    engine2.submit(True, 2500, 0, lambda: done.append(clock2.now))
+    clock2.run(1e9, lambda: False)
+    chunks = [(1000, 0), (1000, 1000), (500, 2000)]
+    assert done[1] == pytest.approx(sum(dev2.prefill_time(n, c) for n, c in chunks), rel=1e-9)
+    assert engine2.busy_s == pytest.approx(done[1])
+
+
+def test_an_arrival_cuts_a_decode_run_at_a_step_boundary():
+    clock = Clock()
+    engine, dev = _engine(clock)
+    ends = {}
+    engine.submit(False, 1000, 100, lambda: ends.setdefault("long", clock.now))
+    clock.at(0.5, engine.submit, False, 10, 100, lambda: ends.setdefault("short", clock.now))
+    clock.run(1e9, lambda: False)
+    # the short request joined the batch and left it long before the long one ended
+    assert ends["short"] < 1.0 < ends["long"]
+    alone = 1000 * dev.decode_step_time([100 + 500])
+    assert ends["long"] > alone  # sharing the engine made it slower
+
+
+def test_turn_counts_have_the_configured_mean():
+    import random
+
+    rng = random.Random(0)
+    tc = TurnCount(mean=2.3, max=5)
+    draws = [tc.sample(rng) for _ in range(20000)]
+    assert set(draws) == {2, 3}
+    assert sum(draws) / len(draws) == pytest.approx(2.3, abs=0.02)
+
+
+def test_shards_split_the_scheduler_load():
+    cfg, _ = _cfg()
+    one = run_sim(cfg, SimSettings(scheduler_us_per_task=500, driver_us_per_event=500))
+    two = run_sim(cfg, SimSettings(scheduler_us_per_task=500, driver_us_per_event=500,
+                                   shards=2))
+    assert len(two.scheduler_busy) == 2 and all(b > 0 for b in two.scheduler_busy)
+    assert max(two.scheduler_busy) < one.scheduler_busy[0]
+
+
+def test_scaled_configs_grow_pools_and_batch():
+    cfg, _ = _cfg()
+    big = simulate.with_overrides(cfg, simulate.scaled(cfg, 1024))
+    assert 900 <= simulate.gpus_of(big) <= 1100
+    assert big.trainer.groups_per_step > cfg.trainer.groups_per_step
+    workers, gpus = simulate.monolithic_shape(big)
+    assert gpus == max(p.gpus for p in big.cluster.pools if p.role.value == "inference")
+
+
+def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
+    out = tmp_path / "sim"
+    r = subprocess.run([sys.executable, "flows/simulate.py", "--config", str(LONG_TAIL),
+                        "--systems", "rollarc", "sync-monolithic", "--out", str(out),
+                        "trainer.max_steps=2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    results = json.loads((out / "simulate.json").read_text())
+    assert set(results) == {"rollarc", "sync-monolithic"}
+    assert results["rollarc"]["steps"] == 2
+    bad = subprocess.run([sys.executable, "flows/simulate.py", "--config", str(LONG_TAIL),
+                          "simulate.shardz=2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "simulate.shardz" in bad.stderr
