@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from flows import orchestration, simulate
-from flows.simulation import Clock, SimEngine, SimSettings, TurnCount, simulate as run_sim
+from flows.simulation import Clock, SimEngine, SimSettings, TurnCount
+from flows.simulation import simulate as run_sim
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
 
