@@ -378,6 +378,7 @@ class _Traj:
     kv_at: str | None = None  # the engine holding its KV
     shard: int = 0
     env_s: float = 0.0
+    env_rng: random.Random | None = None  # its environment's latency draws
 
 
 @dataclass
@@ -426,12 +427,37 @@ def _max_turns(spec: dict) -> int | None:
     return None
 
 
-def _latencies(spec: dict) -> tuple[Latency | None, Latency | None]:
-    """(reset, step) latency of a RemoteLatency-wrapped environment (None: local)."""
+@dataclass(frozen=True)
+class _EnvLatency:
+    """A RemoteLatency-wrapped environment's latencies, drawn as it draws them: from a stream
+    seeded by its seed and the episode's, so the members of a group (one seed) wait alike."""
+
+    reset: Latency
+    step: Latency
+    seed: int
+    failure_rate: float
+    hang_rate: float
+
+    def stream(self, episode_seed: int) -> random.Random:
+        return random.Random(f"{self.seed}/{episode_seed}")
+
+    def draw(self, latency: Latency, rng: random.Random, step: bool) -> float:
+        if step and self.hang_rate:
+            rng.random()  # the hang draw (hangs are not simulated)
+        seconds = latency.sample(rng)
+        if self.failure_rate:
+            rng.random()
+        return seconds
+
+
+def _env_latency(spec: dict) -> _EnvLatency | None:
+    """The latencies of a RemoteLatency-wrapped environment (None: a local one)."""
     if isinstance(spec, dict) and str(spec.get("_component_", "")).endswith("RemoteLatency"):
-        return (Latency.of(spec.get("reset_latency")) if spec.get("reset_latency") else None,
-                Latency.of(spec.get("step_latency")) if spec.get("step_latency") else None)
-    return None, None
+        return _EnvLatency(Latency.of(spec.get("reset_latency")),
+                           Latency.of(spec.get("step_latency")), int(spec.get("seed", 0)),
+                           float(spec.get("failure_rate", 0.0)),
+                           float(spec.get("hang_rate", 0.0)))
+    return None
 
 
 class Simulation:
@@ -479,7 +505,8 @@ class Simulation:
         self.lambda_function = fns
         self.turn_counts = {t.name: self.sim.turns.get(t.name) or TurnCount(
             mean=_max_turns(t.env) or 1, max=_max_turns(t.env) or 1000) for t in cfg.env_tasks}
-        self.env_latency = {t.name: _latencies(cfg.faults.env_spec(t.env)) for t in cfg.env_tasks}
+        self.env_latency = {t.name: _env_latency(cfg.faults.env_spec(t.env))
+                            for t in cfg.env_tasks}
         self._in_tick = False
         self._flush_due = False
         self._rates_at: tuple[float, int, int] | None = None  # (time, tasks, driver events)
@@ -646,17 +673,19 @@ class Simulation:
 
     def _start_turn(self, t: _Traj, plan, prompt: int, response: int, fresh: bool) -> None:
         if fresh:
-            reset, _ = self.env_latency[t.env_task.name]
+            lat = self.env_latency[t.env_task.name]
+            t.env_rng = lat.stream(t.seed) if lat is not None else None
             self.slots[(t.env_worker, Tag.CPU_ENV)].acquire(
-                self._env_call, t, reset, self._after_reset, (t, plan, prompt, response))
+                self._env_call, t, False, self._prefill, (t, plan, prompt, response))
         else:
             self._prefill(t, plan, prompt, response)
 
-    def _after_reset(self, t, plan, prompt, response) -> None:
-        self._prefill(t, plan, prompt, response)
-
-    def _env_call(self, t: _Traj, latency: Latency | None, then, args) -> None:
-        seconds = latency.sample(self.rng) if latency is not None else self.sim.local_env_step_s
+    def _env_call(self, t: _Traj, step: bool, then, args) -> None:
+        lat = self.env_latency[t.env_task.name]
+        if lat is None:
+            seconds = self.sim.local_env_step_s
+        else:
+            seconds = lat.draw(lat.step if step else lat.reset, t.env_rng, step)
         seconds *= self.env_slowdown.get(t.env_worker, 1.0)
         t.env_s += seconds
         self.clock.after(seconds, self._env_done, t, then, args)
@@ -702,9 +731,8 @@ class Simulation:
             self.generated += response
             t.kv_at = t.decode_worker = plan.decode_worker
             self.lengths.record(t.env_task.name, response)
-            _, step = self.env_latency[t.env_task.name]
             self.slots[(t.env_worker, Tag.CPU_ENV)].acquire(
-                self._env_call, t, step, self._turn_done, (t, plan))
+                self._env_call, t, True, self._turn_done, (t, plan))
 
         self.clock.after(move, engine.submit, False, response, context, done)
 
