@@ -58,6 +58,12 @@ class ResponseLengths:
         return self.total[env_task] / n if n else None
 
 
+def least_loaded(workers: list[str], load: Counter) -> str:
+    """The worker with the fewest tasks in flight, ties to the first name (the pairs compare
+    as ``(load, name)``; without a key function: this runs for every turn)."""
+    return min(zip(map(load.__getitem__, workers), workers))[1]
+
+
 def turn_time(prefill: DeviceModel, decode: DeviceModel, prompt: int, context: int,
               response: float, decode_batch: int, moves_context_to_prefill: bool,
               moves_context_to_decode: bool, prefill_to_decode: bool) -> float:
@@ -78,8 +84,8 @@ def plan_turn(devices: dict[str, DeviceModel], load: Counter, compute: list[str]
     """Where one turn runs (see the module docstring). ``devices`` maps each inference worker to
     its engine's device model, ``load`` counts its turns in flight, ``cache_at`` is the worker
     holding the trajectory's KV and ``sticky`` its decode worker so far."""
-    pre = min(compute, key=lambda w: (load[w], w))
-    dec = sticky if sticky in bandwidth else min(bandwidth, key=lambda w: (load[w], w))
+    pre = least_loaded(compute, load)
+    dec = sticky if sticky in bandwidth else least_loaded(bandwidth, load)
     split = TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
     if expected_response is None or pre == dec:
         return split

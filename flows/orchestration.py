@@ -191,7 +191,7 @@ class Router:
             raise LookupError(f"no worker advertises {tag}")
         if prefer in pool:
             return prefer
-        return min(pool, key=lambda w: (self.load[w], w))
+        return min(zip(map(self.load.__getitem__, pool), pool))[1]  # (load, name) pairs
 
     def has(self, tag: str) -> bool:
         return bool(self.workers_by_tag.get(tag))

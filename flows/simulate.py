@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides (simulate.* too)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    console = Console()
+    console = Console(width=250)
     out = Path(args.out or "runs/simulate")
     out.mkdir(parents=True, exist_ok=True)
     try:
