@@ -259,37 +259,40 @@ def sweep(cfg: TrainConfig, sim: SimSettings, gpus: list[int]) -> list[dict]:
 
 def split_search(cfg: TrainConfig, sim: SimSettings, budget: float | None = None,
                  steps: int = 4) -> list[dict]:
-    """The best split of an hourly budget between the prefill (H800), decode (H20) and
-    trainer pools, and the environment pool's size: a small grid, each point simulated for a
-    few steps of ``rollarc``. Returned best first."""
+    """The best split of an hourly budget between the prefill (H800), decode (H20), trainer
+    (H800) and environment (CPU) pools: a small grid of shares, each point simulated for a few
+    steps of ``rollarc``. The budget defaults to what the config's pools cost. Best first."""
     pools = cfg.cluster.pools
-    idx = {p.role: i for i, p in enumerate(pools) if p.role is not Role.INFERENCE}
+    price = [get_profile(p.profile, cfg.affinity.profiles).price_per_hour for p in pools]
     inf = [i for i, p in enumerate(pools) if p.role is Role.INFERENCE]
-    price = {i: get_profile(pools[i].profile, cfg.affinity.profiles).price_per_hour
-             for i in range(len(pools))}
-    budget = budget or sum(pools[i].workers * pools[i].gpus * price[i] for i in inf) + (
-        pools[idx[Role.TRAIN]].gpus * pools[idx[Role.TRAIN]].workers * price[idx[Role.TRAIN]])
-    env_i = idx[Role.ENV]
+    role = {p.role: i for i, p in enumerate(pools) if p.role is not Role.INFERENCE}
+    t, e = role[Role.TRAIN], role[Role.ENV]
+    # the pool whose profile the affinity router sends prefill to comes first
+    prefill_i, decode_i = sorted(inf, key=lambda i: -get_profile(
+        pools[i].profile, cfg.affinity.profiles).peak_flops)[:2]
+    cost = {i: pools[i].workers * pools[i].gpus * price[i] for i in (*inf, t)}
+    cost[e] = pools[e].workers * price[e]
+    budget = budget or sum(cost.values())
     out = []
-    for train_share in (0.1, 0.2, 0.3):
-        for prefill_share in (0.05, 0.1, 0.2, 0.3):
-            for env_factor in (0.5, 1.0, 2.0):
-                decode_share = 1 - train_share - prefill_share
+    for train_share in (0.1, 0.15, 0.25):
+        for prefill_share in (0.05, 0.1, 0.2, 0.35):
+            for env_share in (0.01, 0.025, 0.05):
+                decode_share = 1 - train_share - prefill_share - env_share
                 over = [f"trainer.max_steps={steps}"]
-                shares = {inf[0]: prefill_share, inf[1]: decode_share}
-                for i, share in shares.items():
+                for i, share in ((prefill_i, prefill_share), (decode_i, decode_share)):
                     engines = max(1, math.floor(budget * share / (price[i] * pools[i].gpus)))
                     over.append(f"cluster.pools.{i}.workers={engines}")
-                t = idx[Role.TRAIN]
                 over.append(f"cluster.pools.{t}.gpus="
                             f"{max(1, math.floor(budget * train_share / price[t]))}")
-                over.append(f"cluster.pools.{env_i}.workers="
-                            f"{max(1, round(pools[env_i].workers * env_factor))}")
+                over.append(f"cluster.pools.{e}.workers="
+                            f"{max(1, math.floor(budget * env_share / price[e]))}")
                 c = with_overrides(cfg, over)
                 r = simulate(c, sim.model_copy(update={"hours": None}), "rollarc")
-                out.append({"train_share": train_share, "prefill_share": prefill_share,
-                            "decode_share": decode_share, "env_workers": c.cluster.pools[
-                                env_i].workers, "gpus": r.gpus, "cost_per_hour": r.cost_per_hour,
+                out.append({"prefill_share": prefill_share, "decode_share": decode_share,
+                            "train_share": train_share, "env_share": env_share,
+                            "pools": {p.name: (p.workers, p.gpus) for p in c.cluster.pools},
+                            "gpus": r.gpus, "cost_per_hour": r.cost_per_hour + c.cluster.pools[
+                                e].workers * price[e],
                             "step_s": r.step_s, "busy": r.busy, "trainer_busy": r.trainer_busy})
     return sorted(out, key=lambda x: x["step_s"])
 
@@ -446,12 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.split_search:
         ranked = split_search(cfg, sim)
         (out / "split.json").write_text(json.dumps(ranked, indent=1))
-        rows = [[f"{r['prefill_share']:.0%} / {r['decode_share']:.0%} / {r['train_share']:.0%}",
-                 r["env_workers"], f"{r['gpus']:,}", f"${r['cost_per_hour']:,.0f}",
-                 f"{r['step_s']:.1f}", ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()),
-                 f"{r['trainer_busy']:.0%}"] for r in ranked[:8]]
-        console.print(markdown_table(["prefill / decode / trainer $", "env workers", "GPUs",
-                                      "$/h", "s/step", "busy", "trainer busy"], rows))
+        rows = [[f"{r['prefill_share']:.0%} / {r['decode_share']:.0%} / {r['train_share']:.0%}"
+                 f" / {r['env_share']:.1%}",
+                 ", ".join(f"{k} {w}x{g}" for k, (w, g) in r["pools"].items()),
+                 f"{r['gpus']:,}", f"${r['cost_per_hour']:,.0f}", f"{r['step_s']:.1f}",
+                 ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()),
+                 f"{r['trainer_busy']:.0%}"] for r in ranked[:8] + ranked[-2:]]
+        console.print(markdown_table(["prefill / decode / trainer / env $", "pools (workers x "
+                                      "GPUs)", "GPUs", "$/h", "s/step", "busy", "trainer busy"],
+                                     rows))
         return 0
     if args.sweep is not None:
         points = sweep(cfg, sim, args.sweep or list(DEFAULT_SWEEP))
