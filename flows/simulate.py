@@ -297,8 +297,13 @@ def split_search(cfg: TrainConfig, sim: SimSettings, budget: float | None = None
     return sorted(out, key=lambda x: x["step_s"])
 
 
+# the control plane as built, sharded over schedulers (and drivers), and coarser tasks: cohorts
+# as the flow forms them (of turns that happen to share their workers) and with a group's
+# turns placed together so that cohorts form
 REMEDIES = {"one scheduler": [], "2 shards": ["simulate.shards=2"],
-            "4 shards": ["simulate.shards=4"], "cohorts of 8": ["rollout.cohort_max=8"]}
+            "4 shards": ["simulate.shards=4"], "cohorts of 8": ["rollout.cohort_max=8"],
+            "cohorts of 8, group placement": ["rollout.cohort_max=8",
+                                              "simulate.group_placement=true"]}
 
 
 def load_study(cfg: TrainConfig, sim: SimSettings, gpus: list[int],

@@ -103,6 +103,9 @@ class SimSettings(BaseModel):
                                        "completion handled (0: not modelled)")
     shards: int = Field(default=1, ge=1, description="Schedulers and drivers the rollout is "
                         "sharded over (the scale remedy)")
+    group_placement: bool = Field(default=False, description="A design the flow does not "
+                                  "have: a group's trajectories ready together share their "
+                                  "workers, so that cohorts (rollout.cohort_max) form at scale")
     lambda_concurrency: int | None = Field(default=None, ge=1, description="Concurrent Lambda "
                                            "instances per function (null: the emulator's, or "
                                            "1000, AWS's default account limit)")
@@ -379,6 +382,7 @@ class _Traj:
     shard: int = 0
     env_s: float = 0.0
     env_rng: random.Random | None = None  # its environment's latency draws
+    cohort: dict | None = None  # the cohort of its turn in flight
 
 
 @dataclass
@@ -632,32 +636,46 @@ class Simulation:
 
     # -- a turn ----------------------------------------------------------------------------------
     def _flush_turns(self) -> None:
+        """Every ready turn out, in cohorts of trajectories that share their workers (as
+        RolloutDriver.flush forms them): one set of tasks per cohort through the scheduler, one
+        completion per cohort to the driver, when its last member has stepped."""
         ready, self.ready = self.ready, []
-        cohorts: Counter[tuple] = Counter()
+        open_cohorts: dict[tuple, dict] = {}
         size = self.cfg.rollout.cohort_max
+        placed: dict[str, tuple] = {}  # simulate.group_placement: a group's plan this flush
         for t in ready:
             fresh = t.env_worker is None
-            if fresh:
-                t.env_worker = self.router.choose(Tag.CPU_ENV)
             shape = workload.turn_shape(t.env_task.shape, self.cfg.seed, t.tid, t.turn,
                                         t.attempt)
             prompt = shape.prompt_tokens if shape is not None else 64
             response = shape.response_tokens if shape is not None else 16
-            plan = self._plan(t, prompt)
+            if self.sim.group_placement and t.group_id in placed:
+                env_worker, plan = placed[t.group_id]
+                t.env_worker = t.env_worker or env_worker
+            else:
+                if fresh:
+                    t.env_worker = self.router.choose(Tag.CPU_ENV)
+                plan = self._plan(t, prompt)
+                placed[t.group_id] = (t.env_worker, plan)
             for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
                 self.router.started(w)
             key = (fresh, t.env_task.name if self.cfg.rollout.cohort_per_env_task else None,
                    t.env_worker, plan.prefill_worker, plan.decode_worker, t.shard)
-            cohorts[key] += 1
-            # the cohort's tasks reach the workers once its shard's scheduler has placed them
-            n_tasks = 3 + fresh
-            first = cohorts[key] % size == 1 or size == 1
-            wait = self.schedulers[t.shard].delay(n_tasks) if first else 0.0
-            if first:
+            cohort = open_cohorts.get(key)
+            if cohort is None or len(cohort["members"]) >= size:
+                # a new cohort: its tasks reach the workers once its shard's scheduler has
+                # placed them
+                n_tasks = 3 + fresh
                 for stage in ("prefill", "decode", "env_step") + (("env_reset",) if fresh else ()):
                     self.tasks[stage] += 1
-            self.clock.after(wait + self.sim.turn_overhead_s, self._start_turn, t, plan, prompt,
-                             response, fresh)
+                cohort = {"members": [], "left": 0,
+                          "wait": self.schedulers[t.shard].delay(n_tasks)}
+                open_cohorts[key] = cohort
+            cohort["members"].append(t)
+            cohort["left"] += 1
+            t.cohort = cohort
+            self.clock.after(cohort["wait"] + self.sim.turn_overhead_s, self._start_turn, t,
+                             plan, prompt, response, fresh)
 
     def _plan(self, t: _Traj, prompt: int) -> dispatch_mod.TurnPlan:
         """Where the turn's prefill and decode run (as RolloutDriver._plan decides)."""
@@ -737,22 +755,29 @@ class Simulation:
         self.clock.after(move, engine.submit, False, response, context, done)
 
     def _turn_done(self, t: _Traj, plan) -> None:
-        for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
-            self.router.finished(w)
+        cohort = t.cohort
+        cohort["left"] -= 1
+        if cohort["left"]:
+            return  # the cohort's env_step returns when its last member has stepped
+        for m in cohort["members"]:
+            for w in {plan.decode_worker, plan.prefill_worker, m.env_worker}:
+                self.router.finished(w)
         # the completion reaches the driver through its queue
-        self.clock.after(self.drivers[t.shard].delay(), self._on_turn, t)
+        self.clock.after(self.drivers[t.shard].delay(), self._on_turn, cohort["members"])
 
-    def _on_turn(self, t: _Traj) -> None:
+    def _on_turn(self, members: list[_Traj]) -> None:
         self.driver_events += 1
-        self.turns_done += 1
-        t.turn += 1
         crash = self.cfg.faults.env.crash_rate
-        if crash and self.rng.random() < crash:
-            self._restart_or_drop(t)
-        elif t.turn >= t.turns or self.stopping:
-            self._finished(t)
-        else:
-            self.ready.append(t)
+        for t in members:
+            self.turns_done += 1
+            t.turn += 1
+            t.cohort = None
+            if crash and self.rng.random() < crash:
+                self._restart_or_drop(t)
+            elif t.turn >= t.turns or self.stopping:
+                self._finished(t)
+            else:
+                self.ready.append(t)
         self._tick()
 
     def _restart_or_drop(self, t: _Traj) -> None:
