@@ -142,3 +142,22 @@ def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
                           "simulate.shardz=2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "simulate.shardz" in bad.stderr
+
+
+@pytest.mark.long
+def test_the_simulation_follows_an_emulated_bench_run(tmp_path):
+    """The real pipeline on emulated devices (flows/bench.py) against the simulation of the
+    same config and seeds: the steady-state time per step agrees (loosely here: a short run on
+    a shared machine; the README's table is the measurement)."""
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, "flows/bench.py", "--workload", "uniform", "--sections",
+                        "end_to_end", "--only", "sync-disaggregated", "--steps", "3",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows, records = simulate.validate(out, tmp_path / "validation")
+    assert {rec["system"] for rec in records} == {"rollarc", "sync-disaggregated"}
+    for rec in records:
+        assert abs(rec["step_error"]) < 0.25, rec
+        assert rec["devices_only_step_s"] <= rec["simulated_step_s"]
+    assert (tmp_path / "validation" / "validation.json").exists()
