@@ -173,12 +173,16 @@ def systems_table(results: dict[str, SimResult], capacity: dict | None = None) -
     for name, r in results.items():
         busy = ", ".join(f"{p} {b:.0%}" for p, b in r.busy.items())
         load = f"{r.tasks_per_s:,.0f} / {r.driver_events_per_s:,.0f}"
+        if capacity:  # against what one scheduler and one driver were measured to sustain
+            load += (f" ({r.tasks_per_s / capacity['tasks_per_s']:.0%} / "
+                     f"{r.driver_events_per_s / capacity['driver_events_per_s']:.0%})")
         rows.append([name, f"{r.gpus:,} (${r.cost_per_hour:,.0f})", f"{r.step_s:.1f}",
                      f"{r.step_s / base.step_s:.2f}" if base else "-", busy,
                      f"{r.trainer_busy:.0%}", f"{r.staleness_mean:.2f}", load,
                      f"{r.wall_s:.1f}"])
     return markdown_table(["system", "GPUs ($/h)", "s/step", "x vs rollarc", "busy per pool",
-                           "trainer busy", "staleness", "tasks/s / driver events/s",
+                           "trainer busy", "staleness",
+                           "tasks/s / driver events/s (of capacity)",
                            "sim wall s"], rows)
 
 
