@@ -17,17 +17,17 @@ import random
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distributed import Future
 
 from flows import checkpoints
-from flows.config import TrainConfig, reward_callables
+from flows.config import ConfigError, TrainConfig, reward_callables
 from flows.dispatch import Dispatch
 from flows.elastic import EnvPoolScaler
 from flows.evaluation import Evaluator
-from flows.events import Event, EventLoop, FutureKind
+from flows.events import Event, EventLoop, FutureKind, cancel
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
 from flows.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
 from flows.monitor import StageSpans
@@ -41,6 +41,7 @@ from flows.orchestration import (
 )
 from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver, TurnOutcome
+from flows.shards import RolloutShards
 from flows.trainer_handle import TRAINER_CALL_TIMEOUT_S, TrainerHandle
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
@@ -72,8 +73,15 @@ class TrainingRun:
     def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink,
                  reward_endpoint: str | None = None, stages: Stages | None = None,
                  on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
-                 publish_live: Callable[[dict], None] | None = None):
+                 publish_live: Callable[[dict], None] | None = None,
+                 shards: Sequence[ClusterHandle] = ()):
+        """``shards``: the further rollout shards' clusters of ``cluster.shards``
+        (:func:`flows.shards.start_rollout_shards`); ``cluster`` is shard 0."""
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
+        if cfg.cluster.shards != 1 + len(shards):
+            raise ConfigError(f"cluster.shards: {cfg.cluster.shards} shards configured, the run "
+                              f"was given {1 + len(shards)} clusters (Session.start starts them)")
+        self.shards: RolloutShards | None = None
         # the live figures of the dashboard page, sent at most every LIVE_EVERY_S
         self.publish_live = publish_live
         if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
@@ -97,8 +105,6 @@ class TrainingRun:
         self.version = 0
         self.draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
         self.batch_trajectories = cfg.batch_trajectories()
-        # a rolling-out trajectory holds at most one task of each pool at a time
-        self.pool_slots = self._pool_slots()
         router = Router({str(t): cluster.workers_with(t) for t in Tag})
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
@@ -108,6 +114,17 @@ class TrainingRun:
         self.driver = RolloutDriver(self.client, cfg, router, self.ledger, self.stages,
                                     self.run_id, devices=self._worker_devices(), spans=self.spans,
                                     key_tag=key_tag)
+        if shards:
+            self.shards = RolloutShards(list(shards), cfg, self.ledger, self.stages, self.run_id,
+                                        key_tag, self.driver, self.events, cluster,
+                                        self._worker_devices, self.spans)
+            logger.warning("cluster.shards=%d: workers joining or leaving are followed on shard "
+                           "0 only; a further shard's turns that stop answering end by "
+                           "rollout.turn_timeout_s", cfg.cluster.shards)
+        # every shard's rollout driver, shard 0's (self.driver) first
+        self.drivers = [self.driver] if self.shards is None else self.shards.drivers
+        # a rolling-out trajectory holds at most one task of each pool at a time
+        self.pool_slots = self._pool_slots()
         self.rewards = RewardDispatcher(self.client, cfg, router, self.ledger, self.stages,
                                         self.run_id, self.batch_trajectories, spans=self.spans,
                                         key_tag=key_tag)
@@ -123,6 +140,9 @@ class TrainingRun:
             profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
             self.colocated_device = device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
                                               cfg.engine.device)
+            if self.shards is not None:
+                logger.warning("cluster.shards: training time-shares the GPUs of shard 0's "
+                               "engines only")
         self.train_submitted_at = 0.0
         self.train_windows: list[tuple[float, float]] = []
         self.batch_info: dict = {}
@@ -175,21 +195,26 @@ class TrainingRun:
 
     def _pool_slots(self) -> int:
         """Slots of the smallest rollout pool: a rolling-out trajectory holds at most one task
-        of each at a time (at least 1, so that admission goes on while a pool is refilled)."""
+        of each at a time (at least 1, so that admission goes on while a pool is refilled);
+        with rollout shards, the sum of each shard's."""
+        if self.shards is not None:
+            return self.shards.slots()
         return max(1, min(self.cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
                                                            Tag.CPU_ENV)))
 
-    def _worker_devices(self) -> dict[str, DeviceModel] | None:
-        """rollout.dispatch=length_aware: each inference worker's engine as the device model
-        sees it (None: the split, also when a worker's pool is unknown)."""
-        cfg = self.cfg
+    def _worker_devices(self, cluster: ClusterHandle | None = None
+                        ) -> dict[str, DeviceModel] | None:
+        """rollout.dispatch=length_aware: each inference worker's engine (of ``cluster``,
+        default shard 0's) as the device model sees it (None: the split, also when a worker's
+        pool is unknown)."""
+        cfg, cluster = self.cfg, cluster or self.cluster
         if cfg.rollout.dispatch is Dispatch.SPLIT:
             return None
         hardware, model = cfg.pool_hardware(), cfg.device_model()
         devices = {}
         for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
-            for w in self.cluster.workers_with(tag):
-                pool = self.cluster.worker_pool.get(w)
+            for w in cluster.workers_with(tag):
+                pool = cluster.worker_pool.get(w)
                 if pool not in hardware:
                     logger.warning("worker %s is in no configured pool: turns are split", w)
                     return None
@@ -204,14 +229,18 @@ class TrainingRun:
         everywhere (version-stamped) before the first rollout."""
         cfg = self.cfg
         self.client.register_plugin(PlacementRecorder(stream=cfg.metrics.task_stream))
-        self.client.register_plugin(RollArcWorkerPlugin(
+        plugin = RollArcWorkerPlugin(
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
             hparams=cfg.trainer_hparams().model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg),
             pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
             trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation(),
-            stragglers=cfg.faults.stragglers))
+            stragglers=cfg.faults.stragglers)
+        self.client.register_plugin(plugin)
+        if self.shards is not None:
+            self.shards.register_plugin(PlacementRecorder())
+            self.shards.register_plugin(plugin)
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             driver_state = Path(cfg.trainer.resume_from).parent / checkpoints.DRIVER_STATE
@@ -220,8 +249,14 @@ class TrainingRun:
             else:  # a final checkpoint: new group seeds, not a replay of the first run's
                 self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
+        timeout = self.cfg.cluster.startup_timeout_s
         for w, f in self.trainer.sync_weights(self.version).items():
-            self.worker_versions[w] = f.result(timeout=self.cfg.cluster.startup_timeout_s)
+            self.worker_versions[w] = f.result(timeout=timeout)
+        if self.shards is not None:
+            snapshot = self.trainer.snapshot.result(timeout=timeout)
+            for _, loads in self.shards.load_weights(snapshot):
+                for w, f in loads.items():
+                    self.worker_versions[w] = f.result(timeout=timeout)
 
     @property
     def trainer_busy(self) -> bool:
@@ -249,7 +284,8 @@ class TrainingRun:
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
                     FutureKind.LOAD_WEIGHTS: self._on_load,
                     FutureKind.TIME_SHARE: self._on_time_share,
-                    FutureKind.CHECKPOINT: self._on_checkpoint}
+                    FutureKind.CHECKPOINT: self._on_checkpoint,
+                    FutureKind.PUBLISH: self._on_publish}
         while True:
             if until is not None and self.version >= until and not self.driver.stopping:
                 self._send_live(force=True)
@@ -261,7 +297,9 @@ class TrainingRun:
             self._admit()  # after a batch was cut: its room is refilled at once
             for fut in self.driver.flush():  # every turn made ready since: new, next, retried
                 self.events.track(fut, FutureKind.TURN)
-            if self.events.empty() and not self._waiting_for_workers():
+            if self.shards is not None:
+                self.shards.flush()
+            if self._events_empty() and not self._waiting_for_workers():
                 if self.version < self.cfg.trainer.max_steps:
                     raise RuntimeError(
                         f"stalled at policy version {self.version}: nothing in flight and "
@@ -270,29 +308,45 @@ class TrainingRun:
                 break
             # workers that left since: their futures are given up before any result is fetched
             self._membership_and_watchdogs()
-            for ev in self.events.next_batch(wake=self._wake):
+            for ev in self._next_batch():
                 handlers[ev.kind](ev)
                 self._abandoned.discard(ev.future.key)
             self._membership_and_watchdogs()
-            self.driver.prune_closing()
+            for driver in self.drivers:
+                driver.prune_closing()
             self._send_live()
-        self.driver.wait_closing()
+        for driver in self.drivers:
+            driver.wait_closing()
         # finished-but-untrained trajectories at the end are dropped as run_ended
         for tid in self.ledger.live():
             self.ledger.drop(tid, DropReason.RUN_ENDED)
         self._send_live(force=True)
         return True
 
+    def _events_empty(self) -> bool:
+        return self.events.empty() if self.shards is None else self.shards.empty()
+
+    def _next_batch(self) -> list[Event]:
+        """The finished futures of every shard (shard 0's alone without shards)."""
+        if self.shards is None:
+            return self.events.next_batch(wake=self._wake)
+        return self.shards.next_batch(wake=self._wake)
+
+    def _stop_rollout(self) -> None:
+        for driver in self.drivers:
+            driver.stop()
+
     def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
         """Stop at once (an interrupt): cancel the work in flight, close the live environment
         instances, drop every live trajectory with ``reason``. A train step already running
         is let finish and recorded, so that the trainer and the metrics agree on the version.
         The cluster stays usable."""
-        self.driver.stop()
+        self._stop_rollout()
         running = self._train_future
         finishing = {running.key} if running is not None else set()
         finishing |= set(self._checkpointing)
-        self.client.cancel([f for f in self.events.pending() if f.key not in finishing])
+        pending = self.events.pending() if self.shards is None else self.shards.pending()
+        cancel([f for f in pending if f.key not in finishing])
         if running is not None:
             try:
                 self._record_train(running.result(timeout=TRAIN_STEP_GRACE_S))
@@ -307,8 +361,10 @@ class TrainingRun:
             except Exception as exc:
                 logger.warning("checkpoint %s not finished: %s", directory, exc)
         self._checkpointing.clear()
-        self.driver.close_all()
-        self.driver.wait_closing(timeout=30)
+        for driver in self.drivers:
+            driver.close_all()
+        for driver in self.drivers:
+            driver.wait_closing(timeout=30)
         for evaluation in (False, True):
             for tid in self.ledger.live(evaluation):
                 self.ledger.drop(tid, reason)
@@ -355,6 +411,9 @@ class TrainingRun:
         """Start whole groups while they fit in the room admission control gives."""
         for gid, env_task, seed in self.draw.take(admission_room(self._admission())):
             self.collector.open_group(gid, env_task.name, env_task.group_size)
+            if self.shards is not None:  # the shard with the most free room
+                self.shards.start_group(gid, env_task, seed)
+                continue
             for _ in range(env_task.group_size):
                 self.driver.start(gid, env_task, seed)
 
@@ -407,7 +466,7 @@ class TrainingRun:
 
     def _waiting_for_workers(self) -> bool:
         """Work is held back until a pool gets a worker again (or the trainer comes back)."""
-        return bool(self._missing_pools()) or bool(self.driver._ready)
+        return bool(self._missing_pools()) or any(d._ready for d in self.drivers)
 
     def _missing_pools(self) -> list[Tag]:
         """The tags no serving worker carries now (a joining inference worker counts)."""
@@ -425,7 +484,8 @@ class TrainingRun:
         if now < self._next_watchdog:
             return
         self._next_watchdog = now + WATCHDOG_EVERY_S
-        self._cancel(self.driver.overdue(self.cfg.rollout.turn_timeout_s))
+        for driver in self.drivers:
+            self._cancel(driver.overdue(self.cfg.rollout.turn_timeout_s))
         if self.scaler is not None:
             self.scaler.step(now)
         missing = self._missing_pools()
@@ -458,7 +518,7 @@ class TrainingRun:
         their handlers see their keys in ``_abandoned``."""
         if futures:
             self._abandoned.update(f.key for f in futures)
-            self.client.cancel(futures)
+            cancel(futures)
 
     def _worker_left(self, change: WorkerChange) -> None:
         worker = change.address
@@ -544,10 +604,12 @@ class TrainingRun:
                           f"v{self.version}")
         # joined inference workers waiting for weights get the restored trainer's
         self._load_weights(self.trainer.sync_weights(self.version))
+        self._fan_out_weights()
 
     # -- completions ------------------------------------------------------------------------
     def _on_turn(self, ev: Event) -> None:
-        self._on_turn_outcome(self.driver.on_turn(ev.future, ev.result if ev.ok else None))
+        driver = self.driver if ev.shard == 0 else self.shards.driver(ev.shard)
+        self._on_turn_outcome(driver.on_turn(ev.future, ev.result if ev.ok else None))
 
     def _on_turn_outcome(self, out: TurnOutcome) -> None:
         for rec, traj in out.finished:
@@ -581,8 +643,9 @@ class TrainingRun:
         self._record_train(ev.result)
         progress.update(self.last_metrics, [t.name for t in self.cfg.env_tasks])
         if self.version >= self.cfg.trainer.max_steps:
-            self.driver.stop()
+            self._stop_rollout()
         self._load_weights(self.trainer.sync_weights(self.version))
+        self._fan_out_weights()
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
                 self.driver.start(ep.group_id, ep.env_task, ep.seed, eval_round=ep.round_id)
@@ -657,11 +720,28 @@ class TrainingRun:
         self.driver._next_eval_id = int(state["next_eval_trajectory"])
         self._elapsed_before = float(state["elapsed_s"])
 
-    def _load_weights(self, loads: dict[str, Future]) -> None:
+    def _load_weights(self, loads: dict[str, Future], events: EventLoop | None = None) -> None:
         for w, f in loads.items():
-            self.events.track(f, FutureKind.LOAD_WEIGHTS)
+            (events or self.events).track(f, FutureKind.LOAD_WEIGHTS)
             self._pinned[f.key] = (w, f)
             self.loads_pending += 1
+
+    def _fan_out_weights(self) -> None:
+        """Rollout shards: the weights just published go to the further shards once they are
+        ready (a PUBLISH event); counted as a load in flight until then."""
+        if self.shards is not None:
+            self.events.track(self.trainer.snapshot, FutureKind.PUBLISH)
+            self.loads_pending += 1
+
+    def _on_publish(self, ev: Event) -> None:
+        self.loads_pending -= 1
+        if self._lost(ev):  # with the trainer's worker: the rebuilt trainer publishes again
+            logger.warning("weights %s lost before reaching the rollout shards", ev.future.key)
+            return
+        if ev.future.status != "finished":
+            raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
+        for events, loads in self.shards.load_weights(ev.result):
+            self._load_weights(loads, events)
 
     def _lost(self, ev: Event) -> bool:
         """Given up on with a lost worker, or its result lost with one (a task that raised is
@@ -703,8 +783,17 @@ class TrainingRun:
                 by_pool[stage][self.cluster.worker_pool.get(w, w)] += n
         reports = self.client.run(worker_report)
         live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
+        if self.shards is not None:
+            live_envs += self.shards.live_envs()
         accounts = self.ledger.summary()
-        turns = self.driver.turn_log
+        turns = [t for d in self.drivers for t in d.turn_log]
+        submitted: Counter[str] = Counter()
+        truncated: Counter[str] = Counter()
+        restarts: Counter[str] = Counter()
+        for d in self.drivers:
+            submitted.update(d.stage_submitted)
+            truncated.update(d.truncated)
+            restarts.update(d.restarts)
         t0 = self.t0 or 0.0
         if self.cfg.metrics.task_stream:
             stream = self.client.run_on_scheduler(task_stream_snapshot)
@@ -716,13 +805,15 @@ class TrainingRun:
             "policy_version": self.version,
             "trajectories": {k: accounts[k] for k in ("started", "finished", "trained",
                                                       "dropped")}
-            | {"truncated": dict(self.driver.truncated)},
+            | {"truncated": dict(truncated)},
             "drop_details": self.ledger.drop_details[:20],
             "evaluation": {"episodes_started": accounts["evaluation"]["started"],
                            "dropped": accounts["evaluation"]["dropped"],
                            "last": self.evaluator.last},
             "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
-            "rollout_tasks_submitted": dict(self.driver.stage_submitted),
+            "rollout_tasks_submitted": dict(submitted),
+            "shards": [{"shard": 0, "rollout_tasks_submitted": dict(submitted)}]
+            if self.shards is None else self.shards.summary(),
             "reward": self.rewards.stats.summary() | {
                 "backend": self.cfg.reward.backend,
                 "endpoint": self.reward_cfg["endpoint_url"] or "aws",
@@ -731,7 +822,7 @@ class TrainingRun:
             "live_env_instances_at_end": live_envs,
             "faults": {"worker_changes": self.worker_changes,
                        "recovery_s": [round(s, 3) for s in self.recoveries_s],
-                       "restarted": dict(self.driver.restarts),
+                       "restarted": dict(restarts),
                        "score_tasks_resent": sum(self.rewards.resent.values())},
             "env_pool": [] if self.scaler is None else [
                 dict(h, at=round(h["at"] - t0, 2)) for h in self.scaler.history],
