@@ -156,6 +156,7 @@ class TrainingRun:
         self._live_sent = 0.0
         self._elapsed_before = 0.0  # training time of the run this one resumes
         self._train_future: Future | None = None
+        self._publishing: Future | None = None  # weights on their way to the other shards
         self._training_ids: list[int] = []  # the batch of the running train step
         self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
         # futures abandoned with a lost worker
@@ -578,6 +579,9 @@ class TrainingRun:
         self._cancel([fut for fut, _, _ in self._checkpointing.values()])
         self._train_future = None
         self._checkpointing.clear()
+        if self._publishing is not None:  # weights it was publishing for the other shards
+            self._cancel([self._publishing])
+            self._publishing = None
         self._drop_training(DropReason.TRAINER_LOST, "the trainer's worker left")
         spare = self.cluster.workers_with(Tag.TRAINER)
         if spare:
@@ -730,11 +734,13 @@ class TrainingRun:
         """Rollout shards: the weights just published go to the further shards once they are
         ready (a PUBLISH event); counted as a load in flight until then."""
         if self.shards is not None:
-            self.events.track(self.trainer.snapshot, FutureKind.PUBLISH)
+            self._publishing = self.events.track(self.trainer.snapshot, FutureKind.PUBLISH)
             self.loads_pending += 1
 
     def _on_publish(self, ev: Event) -> None:
         self.loads_pending -= 1
+        if self._publishing is ev.future:
+            self._publishing = None
         if self._lost(ev):  # with the trainer's worker: the rebuilt trainer publishes again
             logger.warning("weights %s lost before reaching the rollout shards", ev.future.key)
             return

@@ -1,0 +1,83 @@
+"""Rollout sharded over several Dask schedulers (cluster.shards): the shard choice, and tiny
+runs of flows/train.py on two local schedulers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.api import Session, run_training
+from flows.config import ConfigError, load_config
+from flows.metrics import read_metrics
+from flows.orchestration import pick_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "flows" / "train.py")
+# in-process workers: two clusters start in seconds; each still has a scheduler of its own
+SHARDED = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
+           "cluster.dashboard_port=0", "cluster.processes=false", "cluster.shards=2",
+           "reward.backend=local", "metrics.curves=false", "metrics.performance_report=false",
+           "metrics.dashboard=false"]
+TURN_STAGES = ("prefill", "decode", "env_step")
+
+
+def test_a_group_goes_to_the_shard_with_the_most_free_room():
+    assert pick_shard([0], [64]) == 0
+    assert pick_shard([10, 3], [64, 64]) == 1
+    assert pick_shard([8, 8, 8], [64, 64, 64]) == 0  # ties: the lowest index
+    assert pick_shard([16, 8], [64, 32]) == 0  # room, not load: 48 free against 24
+    assert pick_shard([40, 70], [32, 64]) == 1  # both over-full: the least over wins
+    with pytest.raises(ValueError):
+        pick_shard([1, 2], [64])
+    with pytest.raises(ValueError):
+        pick_shard([], [])
+
+
+def _train(args, run_dir, timeout=300):
+    proc = subprocess.run([sys.executable, TRAIN, "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_two_shards_roll_out_on_two_schedulers_and_train_on_one(mode, tmp_path):
+    summary = _train(SHARDED + [f"mode={mode}"], tmp_path / "run")
+    assert summary["policy_version"] == 2
+    t = summary["trajectories"]
+    assert t["started"] == t["trained"] + sum(t["dropped"].values()), t
+    assert t["trained"] > 0 and summary["live_env_instances_at_end"] == 0
+    shards = summary["shards"]
+    assert [s["shard"] for s in shards] == [0, 1]
+    assert shards[0]["scheduler"] != shards[1]["scheduler"]
+    # groups went to both shards, and both schedulers ran turn tasks
+    for s in shards:
+        assert s["groups"] > 0, s
+        assert all(s["rollout_tasks_submitted"].get(st, 0) > 0 for st in TURN_STAGES), s
+    placement = summary["tasks_per_stage_per_pool"]  # shard 0's scheduler
+    assert all(sum(placement[st].values()) > 0 for st in TURN_STAGES), placement
+    ran = shards[1]["tasks_per_stage"]  # shard 1's scheduler
+    assert all(ran.get(st, 0) == shards[1]["rollout_tasks_submitted"][st] for st in TURN_STAGES)
+    # training stays on shard 0: shard 1 holds no trainer or reward worker
+    assert {w["pool"] for w in shards[1]["workers"].values()} == {"compute", "bandwidth", "env"}
+    assert "train_step" not in ran and "score" not in ran
+    # every inference worker of both shards loaded the final weights
+    versions = [w["engine"]["version"] for w in summary["workers"].values() if "engine" in w]
+    versions += [w["version"] for w in shards[1]["workers"].values()
+                 if w["pool"] in ("compute", "bandwidth")]
+    assert versions == [2] * 4, versions
+    if mode == "sync":  # the barrier waits for every shard's weights: nothing stale
+        assert max(m["rollout/staleness_max"] for m in read_metrics(tmp_path / "run")) == 0
+
+
+def test_shards_with_a_running_scheduler_is_a_config_error(tmp_path):
+    cfg = load_config(overrides=["cluster.shards=2", "reward.backend=local"])
+    with pytest.raises(ConfigError, match=r"cluster\.shards=2: .*--scheduler"):
+        run_training(cfg, tmp_path / "run", scheduler="tcp://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"cluster\.shards"):
+        Session.connect("tcp://127.0.0.1:9", config=cfg)
