@@ -463,7 +463,8 @@ class TrainingRun:
     # -- workers joining and leaving, watchdogs ----------------------------------------------
     def _wake(self) -> bool:
         """The event loop stops waiting: a worker came or went, or a watchdog is due."""
-        return self.membership.pending() or time.perf_counter() >= self._next_watchdog
+        return (self.membership.pending() or time.perf_counter() >= self._next_watchdog
+                or (self.shards is not None and self.shards.changes_pending()))
 
     def _waiting_for_workers(self) -> bool:
         """Work is held back until a pool gets a worker again (or the trainer comes back)."""
@@ -481,6 +482,9 @@ class TrainingRun:
                 self._worker_left(change)
             else:
                 self._worker_joined(change)
+        if self.shards is not None:
+            for shard, worker in self.shards.departures():
+                self._shard_worker_left(shard.index, shard.driver, worker)
         now = time.perf_counter()
         if now < self._next_watchdog:
             return
@@ -497,14 +501,18 @@ class TrainingRun:
             since = self._empty_since.setdefault(tag, now)
             if now - since > self.cfg.cluster.pool_empty_timeout_s:
                 self._stop_on_empty_pool(tag, now - since)
+        if self.shards is not None:
+            for k, tag, since in self.shards.empty_pools(now):
+                if now - since > self.cfg.cluster.pool_empty_timeout_s:
+                    self._stop_on_empty_pool(tag, now - since, f" on rollout shard {k}")
 
     def _joining_with(self, tag: Tag) -> list[str]:
         return [w for w, tags in self._joining.items() if tags.get(str(tag), 0) > 0]
 
-    def _stop_on_empty_pool(self, tag: Tag, seconds: float) -> None:
+    def _stop_on_empty_pool(self, tag: Tag, seconds: float, where: str = "") -> None:
         """Rather than wait for ever: the run stops (the caller writes a checkpoint when the
         trainer is there to write it)."""
-        raise PoolLost(f"no worker has advertised {tag} for {seconds:.0f} s "
+        raise PoolLost(f"no worker has advertised {tag}{where} for {seconds:.0f} s "
                        f"(cluster.pool_empty_timeout_s={self.cfg.cluster.pool_empty_timeout_s:g})"
                        f" at policy version {self.version}")
 
@@ -545,6 +553,17 @@ class TrainingRun:
         self._cancel([f for w, f in self._pinned.values() if w == worker])
         if worker == self.trainer.worker:
             self._trainer_lost()
+        self.pool_slots = self._pool_slots()
+
+    def _shard_worker_left(self, shard: int, driver: RolloutDriver, worker: str) -> None:
+        """A worker of a further rollout shard left (already off its shard's router): its
+        turns are abandoned (their trajectories restart or drop), its weight loads given up."""
+        self._note_change("left", worker, f"rollout shard {shard}")
+        self.worker_versions.pop(worker, None)
+        futures, out = driver.worker_lost(worker)
+        self._cancel(futures)
+        self._on_turn_outcome(out)
+        self._cancel([f for w, f in self._pinned.values() if w == worker])
         self.pool_slots = self._pool_slots()
 
     def _worker_joined(self, change: WorkerChange) -> None:

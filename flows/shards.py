@@ -20,11 +20,13 @@ groups over the shards (:func:`flows.orchestration.pick_shard`: the most free ro
   of each further shard, and every inference worker there loads it from that worker. These
   loads count as loads in flight (``mode=sync`` waits for them).
 
-Not handled beyond shard 0 yet: workers joining or leaving (a further shard's turns that stop
-answering are ended by the turn watchdog, ``rollout.turn_timeout_s``, and restarted or dropped
-with a reason), the adaptive environment pool, colocated time-sharing (``placement=monolithic``
-on emulated devices), evaluation episodes, the dashboard page, Dask spans and the performance
-report. Several ``--scheduler`` addresses are not supported: shards are local clusters.
+A worker that leaves a further shard is handled as on shard 0: its turns are abandoned and
+their trajectories restarted or dropped with the reason, its weight loads given up; a rollout
+pool of a further shard left empty for ``cluster.pool_empty_timeout_s`` stops the run. Not
+handled beyond shard 0 yet: workers joining a further shard (they get no work), the adaptive
+environment pool, colocated time-sharing (``placement=monolithic`` on emulated devices),
+evaluation episodes, the dashboard page, Dask spans and the performance report. Several
+``--scheduler`` addresses are not supported: shards are local clusters.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from flows.rollout import RolloutDriver
 from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
+from resources.membership import Change, MembershipWatch
 from resources.placement import placement_snapshot
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, worker_report
@@ -107,6 +110,7 @@ class RolloutShard:
     driver: RolloutDriver
     events: EventLoop
     inference_workers: dict[str, Tag]  # worker -> the tag its weight loads take a slot of
+    membership: MembershipWatch
     weights: Future | None = None  # the newest weights scattered here (held until replaced)
 
 
@@ -140,8 +144,10 @@ class RolloutShards:
             inference = {w: (Tag.GPU_COMPUTE if w in compute else Tag.GPU_BANDWIDTH)
                          for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
             events = EventLoop(cluster.client, shard=k, condition=primary_events.condition)
-            self.shards.append(RolloutShard(k, cluster, driver, events, inference))
+            self.shards.append(RolloutShard(k, cluster, driver, events, inference,
+                                            MembershipWatch(cluster.client)))
         self.groups = [0] * (len(self.shards) + 1)  # groups started, per shard
+        self._empty_since: dict[tuple[int, Tag], float] = {}
 
     @property
     def drivers(self) -> list[RolloutDriver]:
@@ -163,9 +169,11 @@ class RolloutShards:
     # -- rollout ----------------------------------------------------------------------------
     def start_group(self, group_id: str, env_task: EnvTaskConfig, seed: int) -> int:
         """Start a whole group on the shard with the most free room; that shard's index."""
-        k = pick_shard([len(d.live) for d in self.drivers],
-                       [rollout_slots(self.primary_cluster)]
-                       + [rollout_slots(s.cluster) for s in self.shards])
+        # a shard missing a rollout pool has no room: its turns would wait for a worker
+        slots = [rollout_slots(c) if all(d.router.has(str(t)) for t in ROLLOUT_TAGS) else 0
+                 for c, d in zip([self.primary_cluster] + [s.cluster for s in self.shards],
+                                 self.drivers, strict=True)]
+        k = pick_shard([len(d.live) for d in self.drivers], slots)
         self.groups[k] += 1
         driver = self.driver(k)
         for _ in range(env_task.group_size):
@@ -187,6 +195,45 @@ class RolloutShards:
 
     def pending(self) -> list[Future]:
         return [f for loop in self.loops for f in loop.pending()]
+
+    # -- workers leaving ---------------------------------------------------------------------
+    def changes_pending(self) -> bool:
+        return any(s.membership.pending() for s in self.shards)
+
+    def departures(self) -> list[tuple[RolloutShard, str]]:
+        """The further shards' workers that left since (one of the run's each), taken off
+        their shard's cluster and router; those that joined are logged and given no work."""
+        out = []
+        for s in self.shards:
+            for change in s.membership.take():
+                if change.change is Change.JOINED:
+                    if change.address not in s.cluster.worker_tags:
+                        logger.warning("worker %s joined rollout shard %d: not used (joining "
+                                       "workers are followed on shard 0 only)", change.address,
+                                       s.index)
+                    continue
+                if not s.cluster.remove_worker(change.address):
+                    continue  # not one of the run's workers
+                s.driver.router.remove(change.address)
+                s.inference_workers.pop(change.address, None)
+                out.append((s, change.address))
+        return out
+
+    def empty_pools(self, now: float) -> list[tuple[int, Tag, float]]:
+        """(shard, tag, since when) of each further shard's rollout pool without a worker."""
+        out = []
+        for s in self.shards:
+            for tag in ROLLOUT_TAGS:
+                if s.driver.router.has(str(tag)):
+                    self._empty_since.pop((s.index, tag), None)
+                else:
+                    out.append((s.index, tag, self._empty_since.setdefault((s.index, tag), now)))
+        return out
+
+    def close(self) -> None:
+        """The run ends: stop following the further shards' workers."""
+        for s in self.shards:
+            s.membership.close()
 
     # -- weights ----------------------------------------------------------------------------
     def register_plugin(self, plugin) -> None:

@@ -12,8 +12,10 @@ import pytest
 
 from flows.api import Session, run_training
 from flows.config import ConfigError, load_config
+from flows.lifecycle import DropReason
 from flows.metrics import read_metrics
 from flows.orchestration import pick_shard
+from resources.pools import Tag
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "flows" / "train.py")
@@ -81,3 +83,40 @@ def test_shards_with_a_running_scheduler_is_a_config_error(tmp_path):
         run_training(cfg, tmp_path / "run", scheduler="tcp://127.0.0.1:9")
     with pytest.raises(ConfigError, match=r"cluster\.shards"):
         Session.connect("tcp://127.0.0.1:9", config=cfg)
+
+
+@pytest.mark.integration
+def test_a_worker_lost_on_a_further_shard_loses_no_trajectory(tmp_path):
+    """Shard 1's first environment worker is closed when the batch of step 2 is cut: its
+    trajectories restart or drop with the loss as the reason, the other goes on."""
+    session = Session.start(overrides=[*SHARDED, "cluster.pools.2.workers=2"])
+    try:
+        run = session.run(overrides=["trainer.max_steps=3"], run_dir=tmp_path / "run")
+        shard = run._run.shards.shards[0]
+        victim = shard.cluster.workers_with(Tag.CPU_ENV)[0]
+        worker = next(w for w in shard.cluster.cluster.workers.values()
+                      if w.address == victim)
+        closed = []
+
+        def close_at_cut(train_step: int, _trajectories) -> None:
+            if train_step == 2 and not closed:
+                shard.cluster.cluster.sync(worker.close, executor_wait=False)
+                closed.append(victim)
+
+        run._run.batch_callbacks.append(close_at_cut)
+        run.train()
+        summary = run.close()
+    finally:
+        session.close()
+    assert closed
+    assert summary["policy_version"] == 3
+    t = summary["trajectories"]
+    assert t["started"] == t["trained"] + sum(t["dropped"].values()), t
+    assert summary["live_env_instances_at_end"] == 0
+    faults = summary["faults"]
+    assert {"worker": victim, "change": "left"}.items() <= next(
+        c for c in faults["worker_changes"] if c["worker"] == victim).items()
+    lost = (faults["restarted"].get(str(DropReason.WORKER_LOST), 0)
+            + t["dropped"].get(str(DropReason.WORKER_LOST), 0))
+    assert lost > 0, (faults, t)
+    assert victim not in summary["shards"][1]["workers"]
