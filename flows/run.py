@@ -118,9 +118,8 @@ class TrainingRun:
             self.shards = RolloutShards(list(shards), cfg, self.ledger, self.stages, self.run_id,
                                         key_tag, self.driver, self.events, cluster,
                                         self._worker_devices, self.spans)
-            logger.warning("cluster.shards=%d: workers joining or leaving are followed on shard "
-                           "0 only; a further shard's turns that stop answering end by "
-                           "rollout.turn_timeout_s", cfg.cluster.shards)
+            logger.warning("cluster.shards=%d: workers joining a further shard get no work "
+                           "(joins are followed on shard 0 only)", cfg.cluster.shards)
         # every shard's rollout driver, shard 0's (self.driver) first
         self.drivers = [self.driver] if self.shards is None else self.shards.drivers
         # a rolling-out trajectory holds at most one task of each pool at a time
@@ -239,9 +238,6 @@ class TrainingRun:
             trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation(),
             stragglers=cfg.faults.stragglers)
         self.client.register_plugin(plugin)
-        if self.shards is not None:
-            self.shards.register_plugin(PlacementRecorder())
-            self.shards.register_plugin(plugin)
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             driver_state = Path(cfg.trainer.resume_from).parent / checkpoints.DRIVER_STATE
@@ -253,11 +249,8 @@ class TrainingRun:
         timeout = self.cfg.cluster.startup_timeout_s
         for w, f in self.trainer.sync_weights(self.version).items():
             self.worker_versions[w] = f.result(timeout=timeout)
-        if self.shards is not None:
-            snapshot = self.trainer.snapshot.result(timeout=timeout)
-            for _, loads in self.shards.load_weights(snapshot):
-                for w, f in loads.items():
-                    self.worker_versions[w] = f.result(timeout=timeout)
+        if self.shards is not None:  # the plugin, then the weights, on the further shards
+            self.worker_versions |= self.shards.setup(plugin, self.trainer.snapshot, timeout)
 
     @property
     def trainer_busy(self) -> bool:

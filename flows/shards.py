@@ -47,7 +47,7 @@ from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
 from resources.membership import Change, MembershipWatch
-from resources.placement import placement_snapshot
+from resources.placement import PlacementRecorder, placement_snapshot
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, worker_report
 from tasks.records import WeightsSnapshot
@@ -236,9 +236,16 @@ class RolloutShards:
             s.membership.close()
 
     # -- weights ----------------------------------------------------------------------------
-    def register_plugin(self, plugin) -> None:
+    def setup(self, worker_plugin, snapshot: Future, timeout: float) -> dict[str, int]:
+        """Install the run's worker plugin (and a placement recorder) on every further shard
+        and load the weights of ``snapshot`` (published on shard 0's trainer) there: the
+        version each inference worker loaded."""
         for s in self.shards:
-            s.cluster.client.register_plugin(plugin)
+            s.cluster.client.register_plugin(PlacementRecorder())
+            s.cluster.client.register_plugin(worker_plugin)
+        return {w: f.result(timeout=timeout)
+                for _, loads in self.load_weights(snapshot.result(timeout=timeout))
+                for w, f in loads.items()}
 
     def load_weights(self, snapshot: WeightsSnapshot
                      ) -> list[tuple[EventLoop, dict[str, Future]]]:
