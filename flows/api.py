@@ -107,8 +107,9 @@ class Session:
 
     @classmethod
     def start(cls, config: ConfigLike = None, overrides: Sequence[str] = ()) -> Session:
-        """Start the local cluster of a config's pools (default: ``config/default.yaml``); the
-        config, overrides included, is what the session's runs start from::
+        """Start the local cluster of a config's pools (default: ``config/default.yaml``), and
+        the further rollout shards' clusters of ``cluster.shards``; the config, overrides
+        included, is what the session's runs start from::
 
             session = Session.start(overrides=["reward.backend=local"])
         """

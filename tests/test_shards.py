@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from distributed import Client, LocalCluster
 
 from flows.api import Session, run_training
 from flows.config import ConfigError, load_config
+from flows.events import EventLoop, FutureKind, cancel, next_batch_of
 from flows.lifecycle import DropReason
 from flows.metrics import read_metrics
 from flows.orchestration import pick_shard
@@ -37,6 +40,34 @@ def test_a_group_goes_to_the_shard_with_the_most_free_room():
         pick_shard([1, 2], [64])
     with pytest.raises(ValueError):
         pick_shard([], [])
+
+
+_RELEASE = threading.Event()
+
+
+def _blocked() -> None:  # on an in-process worker: until the test releases it
+    _RELEASE.wait(30)
+
+
+@pytest.mark.integration
+def test_one_wait_serves_the_event_loops_of_two_schedulers():
+    """A result on shard 1 comes back while shard 0's task still runs; cancelling goes
+    through each future's own client."""
+    kw = {"n_workers": 1, "processes": False, "dashboard_address": ":0"}
+    with LocalCluster(**kw) as c0, LocalCluster(**kw) as c1, Client(c0) as a, Client(c1) as b:
+        loop0 = EventLoop(a)
+        loop1 = EventLoop(b, shard=1, condition=loop0.condition)
+        slow = loop0.track(a.submit(_blocked, pure=False), FutureKind.TURN)
+        loop1.track(b.submit(sum, [1, 2], pure=False), FutureKind.TURN)
+        events = next_batch_of([loop0, loop1])
+        assert [(ev.shard, ev.result) for ev in events] == [(1, 3)]
+        assert not slow.done()
+        cancel([slow])
+        _RELEASE.set()
+        events = next_batch_of([loop0, loop1], wake=lambda: False)
+        assert [(ev.shard, ev.future.status, ev.result) for ev in events] == [
+            (0, "cancelled", None)]
+        assert loop0.empty() and loop1.empty()
 
 
 def _train(args, run_dir, timeout=300):
