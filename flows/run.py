@@ -118,8 +118,10 @@ class TrainingRun:
             self.shards = RolloutShards(list(shards), cfg, self.ledger, self.stages, self.run_id,
                                         key_tag, self.driver, self.events, cluster,
                                         self._worker_devices, self.spans)
-            logger.warning("cluster.shards=%d: workers joining a further shard get no work "
-                           "(joins are followed on shard 0 only)", cfg.cluster.shards)
+            logger.info("rollout over %d shards (schedulers): %s", cfg.cluster.shards,
+                        [c.client.scheduler.address for c in (cluster, *shards)])
+            if cfg.cluster.adaptive_env.enabled:
+                logger.warning("cluster.adaptive_env scales shard 0's environment pool only")
         # every shard's rollout driver, shard 0's (self.driver) first
         self.drivers = [self.driver] if self.shards is None else self.shards.drivers
         # a rolling-out trajectory holds at most one task of each pool at a time
@@ -476,8 +478,7 @@ class TrainingRun:
             else:
                 self._worker_joined(change)
         if self.shards is not None:
-            for shard, worker in self.shards.departures():
-                self._shard_worker_left(shard.index, shard.driver, worker)
+            self._shard_membership()
         now = time.perf_counter()
         if now < self._next_watchdog:
             return
@@ -509,8 +510,9 @@ class TrainingRun:
                        f"(cluster.pool_empty_timeout_s={self.cfg.cluster.pool_empty_timeout_s:g})"
                        f" at policy version {self.version}")
 
-    def _note_change(self, what: str, worker: str, detail: str = "") -> None:
-        pool = self.cluster.worker_pool.get(worker, "?")
+    def _note_change(self, what: str, worker: str, detail: str = "",
+                     pool: str | None = None) -> None:
+        pool = pool or self.cluster.worker_pool.get(worker, "?")
         logger.warning("worker %s (%s) %s%s", worker, pool, what, f": {detail}" if detail else "")
         self.worker_changes.append({"at_s": round(self.elapsed_s, 3), "worker": worker,
                                     "pool": pool, "change": what, "detail": detail})
@@ -548,16 +550,28 @@ class TrainingRun:
             self._trainer_lost()
         self.pool_slots = self._pool_slots()
 
-    def _shard_worker_left(self, shard: int, driver: RolloutDriver, worker: str) -> None:
+    def _shard_membership(self) -> None:
+        """Workers that left or joined a further rollout shard (see flows.shards)."""
+        for shard, change in self.shards.membership_changes():
+            worker = change.address
+            self._note_change(change.change.value, worker, f"rollout shard {shard.index}",
+                              shard.cluster.worker_pool.get(worker, "?"))
+            if change.change is Change.LEFT:
+                self._shard_worker_left(shard.driver, worker)
+            elif worker in shard.joining:  # gets work once it loaded the weights
+                load = self.shards.load_on(shard, worker)
+                if load is not None:  # else with the next version
+                    self._load_weights({worker: load}, shard.events)
+            self.pool_slots = self._pool_slots()
+
+    def _shard_worker_left(self, driver: RolloutDriver, worker: str) -> None:
         """A worker of a further rollout shard left (already off its shard's router): its
         turns are abandoned (their trajectories restart or drop), its weight loads given up."""
-        self._note_change("left", worker, f"rollout shard {shard}")
         self.worker_versions.pop(worker, None)
         futures, out = driver.worker_lost(worker)
         self._cancel(futures)
         self._on_turn_outcome(out)
         self._cancel([f for w, f in self._pinned.values() if w == worker])
-        self.pool_slots = self._pool_slots()
 
     def _worker_joined(self, change: WorkerChange) -> None:
         worker, tags = change.address, {t: n for t, n in change.tags.items() if n > 0}
@@ -779,6 +793,9 @@ class TrainingRun:
         if tags is not None:  # a joined inference worker holds the weights: give it work
             self.driver.router.add(worker, [t for t, n in tags.items() if n > 0])
             self._note_change("serving", worker, f"loaded v{int(ev.result)}")
+        elif self.shards is not None and (shard := self.shards.loaded(worker)) is not None:
+            self._note_change("serving", worker, f"loaded v{int(ev.result)}",
+                              shard.cluster.worker_pool.get(worker, "?"))
 
     def _on_time_share(self, ev: Event) -> None:
         self._pinned.pop(ev.future.key, None)

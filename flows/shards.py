@@ -20,11 +20,13 @@ groups over the shards (:func:`flows.orchestration.pick_shard`: the most free ro
   of each further shard, and every inference worker there loads it from that worker. These
   loads count as loads in flight (``mode=sync`` waits for them).
 
-A worker that leaves a further shard is handled as on shard 0: its turns are abandoned and
-their trajectories restarted or dropped with the reason, its weight loads given up; a rollout
-pool of a further shard left empty for ``cluster.pool_empty_timeout_s`` stops the run. Not
-handled beyond shard 0 yet: workers joining a further shard (they get no work), the adaptive
-environment pool, colocated time-sharing (``placement=monolithic`` on emulated devices),
+Workers leaving and joining a further shard are handled as on shard 0: a departed worker's
+turns are abandoned and their trajectories restarted or dropped with the reason, its weight
+loads given up; a joining inference worker loads the newest weights there before it gets work
+(or with the next version, when those weights were lost with their worker); a rollout pool of
+a further shard left empty for ``cluster.pool_empty_timeout_s`` stops the run. Not handled
+beyond shard 0 yet: workers that advertise hardware instead of tags, the adaptive environment
+pool, colocated time-sharing (``placement=monolithic`` on emulated devices),
 evaluation episodes, the dashboard page, Dask spans and the performance report. Several
 ``--scheduler`` addresses are not supported: shards are local clusters.
 """
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distributed import Future
 
@@ -46,7 +48,7 @@ from flows.rollout import RolloutDriver
 from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
-from resources.membership import Change, MembershipWatch
+from resources.membership import Change, MembershipWatch, WorkerChange
 from resources.placement import PlacementRecorder, placement_snapshot
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, worker_report
@@ -112,6 +114,10 @@ class RolloutShard:
     inference_workers: dict[str, Tag]  # worker -> the tag its weight loads take a slot of
     membership: MembershipWatch
     weights: Future | None = None  # the newest weights scattered here (held until replaced)
+    weights_on: str | None = None  # the worker they were scattered to
+    weights_version: int = 0
+    # inference workers that joined, with their tags: they get work once they loaded weights
+    joining: dict[str, list[str]] = field(default_factory=dict)
 
 
 class RolloutShards:
@@ -200,24 +206,47 @@ class RolloutShards:
     def changes_pending(self) -> bool:
         return any(s.membership.pending() for s in self.shards)
 
-    def departures(self) -> list[tuple[RolloutShard, str]]:
-        """The further shards' workers that left since (one of the run's each), taken off
-        their shard's cluster and router; those that joined are logged and given no work."""
+    def membership_changes(self) -> list[tuple[RolloutShard, WorkerChange]]:
+        """The further shards' workers that left or joined since (the run's, and those with
+        rollout tags), already on or off their shard's cluster: one that left is off the
+        router; one that joined is on it, or, an inference worker, waits for weights
+        (:meth:`load_on`, :meth:`loaded`)."""
         out = []
         for s in self.shards:
             for change in s.membership.take():
-                if change.change is Change.JOINED:
-                    if change.address not in s.cluster.worker_tags:
-                        logger.warning("worker %s joined rollout shard %d: not used (joining "
-                                       "workers are followed on shard 0 only)", change.address,
-                                       s.index)
-                    continue
-                if not s.cluster.remove_worker(change.address):
-                    continue  # not one of the run's workers
-                s.driver.router.remove(change.address)
-                s.inference_workers.pop(change.address, None)
-                out.append((s, change.address))
+                worker = change.address
+                if change.change is Change.LEFT:
+                    if not s.cluster.remove_worker(worker):
+                        continue  # not one of the run's workers
+                    s.driver.router.remove(worker)
+                    s.inference_workers.pop(worker, None)
+                    s.joining.pop(worker, None)
+                    if s.weights_on == worker:  # lost with it: the next version brings more
+                        s.weights = s.weights_on = None
+                else:
+                    tags = {t: n for t, n in change.tags.items()
+                            if n > 0 and t in {str(r) for r in ROLLOUT_TAGS}}
+                    if not tags or worker in s.cluster.worker_tags:
+                        continue
+                    s.cluster.add_worker(worker, change.name, tags)
+                    inference = next((t for t in INFERENCE_TAGS if str(t) in tags), None)
+                    if inference is None:
+                        s.driver.router.add(worker, list(tags))
+                    else:
+                        s.inference_workers[worker] = inference
+                        s.joining[worker] = list(tags)
+                out.append((s, change))
         return out
+
+    def loaded(self, worker: str) -> RolloutShard | None:
+        """``worker`` loaded weights: a joining inference worker gets work from now on (its
+        shard), others change nothing (None)."""
+        for s in self.shards:
+            tags = s.joining.pop(worker, None)
+            if tags is not None:
+                s.driver.router.add(worker, tags)
+                return s
+        return None
 
     def empty_pools(self, now: float) -> list[tuple[int, Tag, float]]:
         """(shard, tag, since when) of each further shard's rollout pool without a worker."""
@@ -253,24 +282,28 @@ class RolloutShards:
         worker of each further shard, then loaded by every inference worker there (from that
         worker): per shard, its event loop and the load futures by worker."""
         out = []
-        version = snapshot.version
         for s in self.shards:
             if not s.inference_workers:
                 continue
-            client = s.cluster.client
-            first = next(iter(s.inference_workers))
-            key = f"weights-{version}{s.driver.key_tag}"
-            s.weights = client.scatter({key: snapshot}, workers=[first], hash=False)[key]
-            loads = {}
-            for w, tag in s.inference_workers.items():
-                with s.driver.spans("trainer", Stage.LOAD_WEIGHTS.value):
-                    loads[w] = client.submit(
-                        with_backend, self.stages.load_weights, s.weights,
-                        key=f"{Stage.LOAD_WEIGHTS}-{version}-{w}{s.driver.key_tag}",
-                        workers=[w], allow_other_workers=False, pure=False,
-                        resources=demand(Stage.LOAD_WEIGHTS, tag))
-            out.append((s.events, loads))
+            s.weights_on = next(iter(s.inference_workers))
+            key = f"weights-{snapshot.version}{s.driver.key_tag}"
+            s.weights = s.cluster.client.scatter({key: snapshot}, workers=[s.weights_on],
+                                                 hash=False)[key]
+            s.weights_version = snapshot.version
+            out.append((s.events, {w: self.load_on(s, w) for w in s.inference_workers}))
         return out
+
+    def load_on(self, s: RolloutShard, worker: str) -> Future | None:
+        """The shard's newest weights loaded on one of its inference workers (None: it has
+        none now; they come with the next version)."""
+        if s.weights is None:
+            return None
+        with s.driver.spans("trainer", Stage.LOAD_WEIGHTS.value):
+            return s.cluster.client.submit(
+                with_backend, self.stages.load_weights, s.weights,
+                key=f"{Stage.LOAD_WEIGHTS}-{s.weights_version}-{worker}{s.driver.key_tag}",
+                workers=[worker], allow_other_workers=False, pure=False,
+                resources=demand(Stage.LOAD_WEIGHTS, s.inference_workers[worker]))
 
     # -- report -----------------------------------------------------------------------------
     def live_envs(self) -> int:

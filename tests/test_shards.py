@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Worker
 
 from flows.api import Session, run_training
 from flows.config import ConfigError, load_config
@@ -18,6 +18,7 @@ from flows.events import EventLoop, FutureKind, cancel, next_batch_of
 from flows.lifecycle import DropReason
 from flows.metrics import read_metrics
 from flows.orchestration import pick_shard
+from resources.placement import placement_snapshot
 from resources.pools import Tag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,37 +118,55 @@ def test_shards_with_a_running_scheduler_is_a_config_error(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_worker_lost_on_a_further_shard_loses_no_trajectory(tmp_path):
-    """Shard 1's first environment worker is closed when the batch of step 2 is cut: its
-    trajectories restart or drop with the loss as the reason, the other goes on."""
+def test_a_further_shard_loses_a_worker_and_takes_on_a_new_one(tmp_path):
+    """Shard 1's first environment worker is closed when the batch of step 2 is cut, and an
+    environment and a prefill worker join: the lost one's trajectories restart or drop with
+    the loss as the reason, nothing goes unaccounted, the new environment worker gets work,
+    the new prefill worker once it loaded the weights."""
     session = Session.start(overrides=[*SHARDED, "cluster.pools.2.workers=2"])
+    joined = []
     try:
-        run = session.run(overrides=["trainer.max_steps=3"], run_dir=tmp_path / "run")
+        run = session.run(overrides=["trainer.max_steps=4"], run_dir=tmp_path / "run")
         shard = run._run.shards.shards[0]
+        cluster = shard.cluster.cluster
         victim = shard.cluster.workers_with(Tag.CPU_ENV)[0]
-        worker = next(w for w in shard.cluster.cluster.workers.values()
-                      if w.address == victim)
+        worker = next(w for w in cluster.workers.values() if w.address == victim)
         closed = []
 
-        def close_at_cut(train_step: int, _trajectories) -> None:
-            if train_step == 2 and not closed:
-                shard.cluster.cluster.sync(worker.close, executor_wait=False)
-                closed.append(victim)
+        async def new_worker(tag: Tag, name: str):
+            return await Worker(shard.cluster.client.scheduler.address, nthreads=4,
+                                resources={str(tag): 64}, name=name, host="127.0.0.1")
 
-        run._run.batch_callbacks.append(close_at_cut)
+        def swap_at_cut(train_step: int, _trajectories) -> None:
+            if train_step == 2 and not closed:
+                cluster.sync(worker.close, executor_wait=False)
+                closed.append(victim)
+                joined.append(cluster.sync(new_worker, Tag.CPU_ENV, "env-9"))
+                joined.append(cluster.sync(new_worker, Tag.GPU_COMPUTE, "compute-9"))
+
+        run._run.batch_callbacks.append(swap_at_cut)
         run.train()
         summary = run.close()
+        ran = shard.cluster.client.run_on_scheduler(placement_snapshot)
     finally:
+        for w in joined:
+            cluster.sync(w.close)
         session.close()
-    assert closed
-    assert summary["policy_version"] == 3
+    assert closed and joined
+    assert summary["policy_version"] == 4
     t = summary["trajectories"]
     assert t["started"] == t["trained"] + sum(t["dropped"].values()), t
     assert summary["live_env_instances_at_end"] == 0
     faults = summary["faults"]
-    assert {"worker": victim, "change": "left"}.items() <= next(
-        c for c in faults["worker_changes"] if c["worker"] == victim).items()
+    changes = {(c["worker"], c["change"]): c for c in faults["worker_changes"]}
+    assert changes[(victim, "left")]["detail"] == "rollout shard 1"
+    assert changes[(joined[0].address, "joined")]["pool"] == "env"
     lost = (faults["restarted"].get(str(DropReason.WORKER_LOST), 0)
             + t["dropped"].get(str(DropReason.WORKER_LOST), 0))
     assert lost > 0, (faults, t)
     assert victim not in summary["shards"][1]["workers"]
+    assert ran["env_step"].get(joined[0].address, 0) > 0, ran["env_step"]
+    compute = joined[1].address
+    assert changes[(compute, "serving")]["pool"] == "compute"
+    assert summary["shards"][1]["workers"][compute]["version"] == 4
+    assert ran["load_weights"].get(compute, 0) >= 1
