@@ -61,6 +61,7 @@ from flows.monitor import (
 )
 from flows.plot import draw_curves
 from flows.run import PoolLost, TrainingRun
+from flows.shards import close_shards, start_rollout_shards
 from resources.cluster import ClusterHandle, connect
 from resources.lambda_emulator import LambdaEmulator
 from tasks.components import check_component
@@ -95,22 +96,32 @@ def swap(cfg: TrainConfig, env_task: str, **changes) -> TrainConfig:
 class Session:
     """A Dask cluster kept across runs, with the RollArc monitor on its scheduler."""
 
-    def __init__(self, cluster: ClusterHandle, cfg: TrainConfig | None = None):
+    def __init__(self, cluster: ClusterHandle, cfg: TrainConfig | None = None,
+                 shards: Sequence[ClusterHandle] = ()):
         self.cluster = cluster
+        # the further rollout shards' clusters (cluster.shards); the monitor is shard 0's
+        self.shards = list(shards)
         self.cfg = cfg  # what runs start from (None: the embedded default)
         self.runs: list[Run] = []
         install_monitor(cluster.client)
 
     @classmethod
     def start(cls, config: ConfigLike = None, overrides: Sequence[str] = ()) -> Session:
-        """Start the local cluster of a config's pools (default: ``config/default.yaml``); the
-        config, overrides included, is what the session's runs start from::
+        """Start the local cluster of a config's pools (default: ``config/default.yaml``), and
+        the further rollout shards' clusters of ``cluster.shards``; the config, overrides
+        included, is what the session's runs start from::
 
             session = Session.start(overrides=["reward.backend=local"])
         """
         cfg = _config(config, overrides)
         register_page_before_start()
-        return cls(make_cluster(cfg, None), cfg)
+        cluster = make_cluster(cfg, None)
+        try:
+            shards = start_rollout_shards(cfg, pool_router(cfg))
+            return cls(cluster, cfg, shards)
+        except BaseException:
+            close_quietly(cluster)
+            raise
 
     @classmethod
     def connect(
@@ -130,6 +141,7 @@ class Session:
             session = Session.connect("tcp://10.0.0.5:8786")
         """
         cfg = _config(config, overrides)
+        check_single_scheduler(cfg, scheduler)
         handle = connect(scheduler, timeout, route_pools=pool_router(cfg), security=security)
         return cls(handle, cfg if config is not None or overrides else None)
 
@@ -170,14 +182,20 @@ class Session:
         return run
 
     def close(self) -> None:
-        """Close the runs still open, then the cluster (a local one) and the client."""
-        for run in self.runs:
-            if run.summary is None:
-                try:
-                    run.close()
-                except Exception as exc:  # the cluster goes anyway
-                    logger.warning("run %s not closed cleanly: %s", run.run_dir, exc)
-        close_quietly(self.cluster)
+        """Close the runs still open, then the cluster (a local one) and the client, and
+        the rollout shards' clusters."""
+        try:
+            for run in self.runs:
+                if run.summary is None:
+                    try:
+                        run.close()
+                    except Exception as exc:  # the cluster goes anyway
+                        logger.warning("run %s not closed cleanly: %s", run.run_dir, exc)
+        finally:
+            try:
+                close_quietly(self.cluster)
+            finally:
+                close_shards(self.shards)
 
     def __enter__(self) -> Session:
         return self
@@ -232,7 +250,7 @@ class Run:
             self._run = TrainingRun(cfg, session.cluster, self.run_dir, self.sink,
                                     reward_service.url if reward_service else None,
                                     stages=stages, on_transition=on_transition,
-                                    publish_live=live)
+                                    publish_live=live, shards=session.shards)
             if cfg.metrics.dump_trajectories:
                 self._run.batch_callbacks.append(TrajectoryDump(
                     self.run_dir / "trajectories.txt", cfg.metrics.dump_trajectories, cfg.seed))
@@ -387,6 +405,8 @@ class Run:
         self.sink.close()
         if hasattr(self, "_run"):
             self._run.membership.close()  # the next run subscribes afresh
+            if self._run.shards is not None:
+                self._run.shards.close()
         if self._own_service is not None:
             self._own_service.stop()
             self._own_service = None
@@ -401,6 +421,14 @@ class Run:
             self.close()
         else:
             self._stop(RunStatus.FAILED)
+
+
+def check_single_scheduler(cfg: TrainConfig, scheduler: str | None) -> None:
+    """``cluster.shards`` above 1 starts local clusters: not with a running scheduler."""
+    if scheduler and cfg.cluster.shards > 1:
+        raise ConfigError(f"cluster.shards={cfg.cluster.shards}: rollout shards are local "
+                          f"clusters started by the run; with --scheduler ({scheduler}) set "
+                          "cluster.shards=1")
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -431,6 +459,7 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     """
     cfg = validate(cfg)
     check_sinks(cfg.metrics)
+    check_single_scheduler(cfg, scheduler)
     check_run_dir(run_dir)
     emulator = start_reward_service(cfg)
     session = None

@@ -389,6 +389,10 @@ class ClusterConfig(_Strict):
     dashboard_port: int = Field(default=8787, ge=0, le=65535, description="Dashboard port")
     processes: bool = Field(default=True, description="Workers in separate processes (Nanny)")
     startup_timeout_s: float = Field(default=120, gt=0, description="Wait for workers")
+    shards: int = Field(default=1, ge=1, description="Rollout shards: local Dask clusters, "
+                        "each with its own scheduler and its own copy of the inference and "
+                        "environment pools, over which whole groups are spread (1: one "
+                        "cluster; the trainer and reward dispatch stay on the first)")
     adaptive_env: AdaptiveEnvConfig = Field(default_factory=AdaptiveEnvConfig)
     pool_empty_timeout_s: float = Field(
         default=300, gt=0, description="A pool (resource tag) left without any worker this long "

@@ -3,13 +3,16 @@
 Every future the run waits on carries a :class:`FutureKind`; the run keeps a handler per kind.
 A batch of finished futures is gathered in one call (a round trip per worker, not per future);
 a failed or lost future comes back with no result and its own status, for its handler to judge.
+With rollout shards (``cluster.shards``) each shard's client has an event loop of its own; they
+share one wake-up condition, so that :func:`next_batch_of` waits on all of them at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -31,6 +34,7 @@ class FutureKind(Enum):
     LOAD_WEIGHTS = "load_weights"  # an inference worker switched to published weights
     TIME_SHARE = "time_share"  # an emulated engine yielded its GPUs to colocated training
     CHECKPOINT = "checkpoint"  # the trainer wrote a periodic checkpoint
+    PUBLISH = "publish"  # weights published on the trainer, for the other rollout shards
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Event:
     kind: FutureKind
     future: Future
     result: Any  # None when the future failed or its result was lost
+    shard: int = 0  # the rollout shard whose client the future belongs to
 
     @property
     def ok(self) -> bool:
@@ -45,10 +50,18 @@ class Event:
 
 
 class EventLoop:
-    def __init__(self, client: Client):
-        self.client = client
-        self._ac = as_completed(raise_errors=False)
+    def __init__(self, client: Client, shard: int = 0,
+                 condition: threading.Condition | None = None):
+        self.client, self.shard = client, shard
+        self._ac = as_completed(loop=client.loop, raise_errors=False)
+        if condition is not None:  # shared with other shards' loops: one wait for all
+            self._ac.thread_condition = condition
         self._tracked: dict[str, tuple[FutureKind, Future]] = {}  # by key, until handed out
+
+    @property
+    def condition(self) -> threading.Condition:
+        """Notified whenever a tracked future finishes."""
+        return self._ac.thread_condition
 
     def track(self, fut: Future, kind: FutureKind) -> Future:
         self._tracked[fut.key] = (kind, fut)
@@ -78,8 +91,15 @@ class EventLoop:
                 continue
             with self._ac.thread_condition:
                 self._ac.thread_condition.wait(timeout=poll_s)
+        return self._events(batch)
+
+    def _finished(self) -> list[Future]:
+        return self._ac.next_batch(block=False)
+
+    def _events(self, batch: list[Future]) -> list[Event]:
         results = self._gather(batch)
-        return [Event(self._tracked.pop(f.key)[0], f, results.get(f.key)) for f in batch]
+        return [Event(self._tracked.pop(f.key)[0], f, results.get(f.key), self.shard)
+                for f in batch]
 
     def _gather(self, batch: list[Future]) -> dict:
         done = [f for f in batch if f.status == "finished"]
@@ -98,3 +118,32 @@ class EventLoop:
                 except Exception:  # its handler sees no result: lost
                     logger.warning("result of %s lost", f.key)
             return out
+
+
+def next_batch_of(loops: list[EventLoop], wake: Callable[[], bool] | None = None,
+                  poll_s: float = POLL_S) -> list[Event]:
+    """:meth:`EventLoop.next_batch` over several loops sharing one condition (the rollout
+    shards'): every finished future of any of them, without blocking on one while another has
+    results; ``wake()`` is checked every ``poll_s`` as there."""
+    condition = loops[0].condition
+    while True:
+        batches = [(loop, loop._finished()) for loop in loops]
+        if any(batch for _, batch in batches) or (wake is not None and wake()):
+            break
+        if all(loop.empty() for loop in loops):
+            if wake is None:
+                break
+            time.sleep(poll_s)
+            continue
+        with condition:
+            condition.wait(timeout=poll_s)
+    return [ev for loop, batch in batches if batch for ev in loop._events(batch)]
+
+
+def cancel(futures: Iterable[Future]) -> None:
+    """Cancel ``futures``, each through its own client (rollout shards have one each)."""
+    by_client: dict[int, tuple[Client, list[Future]]] = {}
+    for f in futures:
+        by_client.setdefault(id(f.client), (f.client, []))[1].append(f)
+    for client, fs in by_client.values():
+        client.cancel(fs)

@@ -8,6 +8,7 @@
   token version;
 - :class:`Router` — which worker of a pool gets the next task (KV and environment affinity, then
   least in-flight work);
+- :func:`pick_shard` — which rollout shard (``cluster.shards``) a new group goes to;
 - :func:`sample_env_task`, :func:`decode_seed` — the mix draw and the per-turn sampling seed.
 
 The trajectory state machine that keeps the accounts is :mod:`flows.lifecycle`.
@@ -218,6 +219,16 @@ class Router:
     def finished(self, worker: str) -> None:
         if worker in self.load:  # a removed worker's count is gone with it
             self.load[worker] -= 1
+
+
+def pick_shard(rolling_out: list[int], slots: list[int]) -> int:
+    """The rollout shard (``cluster.shards``) a new group goes to: the one with the most free
+    room (its pool slots minus its trajectories rolling out), ties to the lowest index. Room
+    may be negative (a shard that lost workers); the emptiest shard still wins."""
+    if not rolling_out or len(rolling_out) != len(slots):
+        raise ValueError(f"one count per shard: rolling_out={rolling_out}, slots={slots}")
+    room = [s - r for r, s in zip(rolling_out, slots, strict=True)]
+    return room.index(max(room))
 
 
 def env_pool_change(busy: float, workers: int, draining: int, min_workers: int,

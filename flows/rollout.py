@@ -151,13 +151,20 @@ class RolloutDriver:
                 adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
                 resources=demand(stage, tag), pure=False, **kwargs)
 
-    def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
-              eval_round: int | None = None) -> None:
-        """Admit a new trajectory; its first turn goes with the next :meth:`flush`."""
-        if eval_round is None:
+    def take_id(self, evaluation: bool = False) -> int:
+        """The next trajectory id (evaluation episodes count on from ``EVAL_ID_OFFSET``)."""
+        if not evaluation:
             tid, self._next_id = self._next_id, self._next_id + 1
         else:
             tid, self._next_eval_id = self._next_eval_id, self._next_eval_id + 1
+        return tid
+
+    def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
+              eval_round: int | None = None, traj_id: int | None = None) -> None:
+        """Admit a new trajectory; its first turn goes with the next :meth:`flush`.
+        ``traj_id``: one taken from another driver's :meth:`take_id` (the rollout shards
+        number their trajectories from shard 0's driver, so that ids never repeat)."""
+        tid = self.take_id(eval_round is not None) if traj_id is None else traj_id
         rec = RolloutRecord(tid, group_id, env_task, seed, eval_round=eval_round)
         self.ledger.admit(rec.traj_id, rec.evaluation)
         self.live[rec.traj_id] = rec

@@ -17,17 +17,17 @@ import random
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from distributed import Future
 
 from flows import checkpoints
-from flows.config import TrainConfig, reward_callables
+from flows.config import ConfigError, TrainConfig, reward_callables
 from flows.dispatch import Dispatch
 from flows.elastic import EnvPoolScaler
 from flows.evaluation import Evaluator
-from flows.events import Event, EventLoop, FutureKind
+from flows.events import Event, EventLoop, FutureKind, cancel
 from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
 from flows.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
 from flows.monitor import StageSpans
@@ -41,6 +41,7 @@ from flows.orchestration import (
 )
 from flows.reward_dispatch import RewardDispatcher
 from flows.rollout import RolloutDriver, TurnOutcome
+from flows.shards import RolloutShards
 from flows.trainer_handle import TRAINER_CALL_TIMEOUT_S, TrainerHandle
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
@@ -72,8 +73,15 @@ class TrainingRun:
     def __init__(self, cfg: TrainConfig, cluster: ClusterHandle, run_dir: Path, sink: MetricSink,
                  reward_endpoint: str | None = None, stages: Stages | None = None,
                  on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
-                 publish_live: Callable[[dict], None] | None = None):
+                 publish_live: Callable[[dict], None] | None = None,
+                 shards: Sequence[ClusterHandle] = ()):
+        """``shards``: the further rollout shards' clusters of ``cluster.shards``
+        (:func:`flows.shards.start_rollout_shards`); ``cluster`` is shard 0."""
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
+        if cfg.cluster.shards != 1 + len(shards):
+            raise ConfigError(f"cluster.shards: {cfg.cluster.shards} shards configured, the run "
+                              f"was given {1 + len(shards)} clusters (Session.start starts them)")
+        self.shards: RolloutShards | None = None
         # the live figures of the dashboard page, sent at most every LIVE_EVERY_S
         self.publish_live = publish_live
         if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
@@ -97,8 +105,6 @@ class TrainingRun:
         self.version = 0
         self.draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
         self.batch_trajectories = cfg.batch_trajectories()
-        # a rolling-out trajectory holds at most one task of each pool at a time
-        self.pool_slots = self._pool_slots()
         router = Router({str(t): cluster.workers_with(t) for t in Tag})
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
@@ -108,6 +114,18 @@ class TrainingRun:
         self.driver = RolloutDriver(self.client, cfg, router, self.ledger, self.stages,
                                     self.run_id, devices=self._worker_devices(), spans=self.spans,
                                     key_tag=key_tag)
+        if shards:
+            self.shards = RolloutShards(list(shards), cfg, self.ledger, self.stages, self.run_id,
+                                        key_tag, self.driver, self.events, cluster,
+                                        self._worker_devices, self.spans)
+            logger.info("rollout over %d shards (schedulers): %s", cfg.cluster.shards,
+                        [c.client.scheduler.address for c in (cluster, *shards)])
+            if cfg.cluster.adaptive_env.enabled:
+                logger.warning("cluster.adaptive_env scales shard 0's environment pool only")
+        # every shard's rollout driver, shard 0's (self.driver) first
+        self.drivers = [self.driver] if self.shards is None else self.shards.drivers
+        # a rolling-out trajectory holds at most one task of each pool at a time
+        self.pool_slots = self._pool_slots()
         self.rewards = RewardDispatcher(self.client, cfg, router, self.ledger, self.stages,
                                         self.run_id, self.batch_trajectories, spans=self.spans,
                                         key_tag=key_tag)
@@ -123,6 +141,9 @@ class TrainingRun:
             profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
             self.colocated_device = device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
                                               cfg.engine.device)
+            if self.shards is not None:
+                logger.warning("cluster.shards: training time-shares the GPUs of shard 0's "
+                               "engines only")
         self.train_submitted_at = 0.0
         self.train_windows: list[tuple[float, float]] = []
         self.batch_info: dict = {}
@@ -136,6 +157,7 @@ class TrainingRun:
         self._live_sent = 0.0
         self._elapsed_before = 0.0  # training time of the run this one resumes
         self._train_future: Future | None = None
+        self._publishing: Future | None = None  # weights on their way to the other shards
         self._training_ids: list[int] = []  # the batch of the running train step
         self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
         # futures abandoned with a lost worker
@@ -175,21 +197,26 @@ class TrainingRun:
 
     def _pool_slots(self) -> int:
         """Slots of the smallest rollout pool: a rolling-out trajectory holds at most one task
-        of each at a time (at least 1, so that admission goes on while a pool is refilled)."""
+        of each at a time (at least 1, so that admission goes on while a pool is refilled);
+        with rollout shards, the sum of each shard's."""
+        if self.shards is not None:
+            return self.shards.slots()
         return max(1, min(self.cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
                                                            Tag.CPU_ENV)))
 
-    def _worker_devices(self) -> dict[str, DeviceModel] | None:
-        """rollout.dispatch=length_aware: each inference worker's engine as the device model
-        sees it (None: the split, also when a worker's pool is unknown)."""
-        cfg = self.cfg
+    def _worker_devices(self, cluster: ClusterHandle | None = None
+                        ) -> dict[str, DeviceModel] | None:
+        """rollout.dispatch=length_aware: each inference worker's engine (of ``cluster``,
+        default shard 0's) as the device model sees it (None: the split, also when a worker's
+        pool is unknown)."""
+        cfg, cluster = self.cfg, cluster or self.cluster
         if cfg.rollout.dispatch is Dispatch.SPLIT:
             return None
         hardware, model = cfg.pool_hardware(), cfg.device_model()
         devices = {}
         for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
-            for w in self.cluster.workers_with(tag):
-                pool = self.cluster.worker_pool.get(w)
+            for w in cluster.workers_with(tag):
+                pool = cluster.worker_pool.get(w)
                 if pool not in hardware:
                     logger.warning("worker %s is in no configured pool: turns are split", w)
                     return None
@@ -204,14 +231,15 @@ class TrainingRun:
         everywhere (version-stamped) before the first rollout."""
         cfg = self.cfg
         self.client.register_plugin(PlacementRecorder(stream=cfg.metrics.task_stream))
-        self.client.register_plugin(RollArcWorkerPlugin(
+        plugin = RollArcWorkerPlugin(
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
             hparams=cfg.trainer_hparams().model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg),
             pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
             trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation(),
-            stragglers=cfg.faults.stragglers))
+            stragglers=cfg.faults.stragglers)
+        self.client.register_plugin(plugin)
         if cfg.trainer.resume_from:
             self.version = self.trainer.resume(cfg.trainer.resume_from)
             driver_state = Path(cfg.trainer.resume_from).parent / checkpoints.DRIVER_STATE
@@ -220,8 +248,11 @@ class TrainingRun:
             else:  # a final checkpoint: new group seeds, not a replay of the first run's
                 self.draw = GroupDraw(cfg.env_tasks, random.Random(f"{cfg.seed}/{self.version}"))
             logger.info("resumed at policy version %d", self.version)
+        timeout = self.cfg.cluster.startup_timeout_s
         for w, f in self.trainer.sync_weights(self.version).items():
-            self.worker_versions[w] = f.result(timeout=self.cfg.cluster.startup_timeout_s)
+            self.worker_versions[w] = f.result(timeout=timeout)
+        if self.shards is not None:  # the plugin, then the weights, on the further shards
+            self.worker_versions |= self.shards.setup(plugin, self.trainer.snapshot, timeout)
 
     @property
     def trainer_busy(self) -> bool:
@@ -249,7 +280,8 @@ class TrainingRun:
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
                     FutureKind.LOAD_WEIGHTS: self._on_load,
                     FutureKind.TIME_SHARE: self._on_time_share,
-                    FutureKind.CHECKPOINT: self._on_checkpoint}
+                    FutureKind.CHECKPOINT: self._on_checkpoint,
+                    FutureKind.PUBLISH: self._on_publish}
         while True:
             if until is not None and self.version >= until and not self.driver.stopping:
                 self._send_live(force=True)
@@ -261,7 +293,9 @@ class TrainingRun:
             self._admit()  # after a batch was cut: its room is refilled at once
             for fut in self.driver.flush():  # every turn made ready since: new, next, retried
                 self.events.track(fut, FutureKind.TURN)
-            if self.events.empty() and not self._waiting_for_workers():
+            if self.shards is not None:
+                self.shards.flush()
+            if self._events_empty() and not self._waiting_for_workers():
                 if self.version < self.cfg.trainer.max_steps:
                     raise RuntimeError(
                         f"stalled at policy version {self.version}: nothing in flight and "
@@ -270,29 +304,45 @@ class TrainingRun:
                 break
             # workers that left since: their futures are given up before any result is fetched
             self._membership_and_watchdogs()
-            for ev in self.events.next_batch(wake=self._wake):
+            for ev in self._next_batch():
                 handlers[ev.kind](ev)
                 self._abandoned.discard(ev.future.key)
             self._membership_and_watchdogs()
-            self.driver.prune_closing()
+            for driver in self.drivers:
+                driver.prune_closing()
             self._send_live()
-        self.driver.wait_closing()
+        for driver in self.drivers:
+            driver.wait_closing()
         # finished-but-untrained trajectories at the end are dropped as run_ended
         for tid in self.ledger.live():
             self.ledger.drop(tid, DropReason.RUN_ENDED)
         self._send_live(force=True)
         return True
 
+    def _events_empty(self) -> bool:
+        return self.events.empty() if self.shards is None else self.shards.empty()
+
+    def _next_batch(self) -> list[Event]:
+        """The finished futures of every shard (shard 0's alone without shards)."""
+        if self.shards is None:
+            return self.events.next_batch(wake=self._wake)
+        return self.shards.next_batch(wake=self._wake)
+
+    def _stop_rollout(self) -> None:
+        for driver in self.drivers:
+            driver.stop()
+
     def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
         """Stop at once (an interrupt): cancel the work in flight, close the live environment
         instances, drop every live trajectory with ``reason``. A train step already running
         is let finish and recorded, so that the trainer and the metrics agree on the version.
         The cluster stays usable."""
-        self.driver.stop()
+        self._stop_rollout()
         running = self._train_future
         finishing = {running.key} if running is not None else set()
         finishing |= set(self._checkpointing)
-        self.client.cancel([f for f in self.events.pending() if f.key not in finishing])
+        pending = self.events.pending() if self.shards is None else self.shards.pending()
+        cancel([f for f in pending if f.key not in finishing])
         if running is not None:
             try:
                 self._record_train(running.result(timeout=TRAIN_STEP_GRACE_S))
@@ -307,8 +357,10 @@ class TrainingRun:
             except Exception as exc:
                 logger.warning("checkpoint %s not finished: %s", directory, exc)
         self._checkpointing.clear()
-        self.driver.close_all()
-        self.driver.wait_closing(timeout=30)
+        for driver in self.drivers:
+            driver.close_all()
+        for driver in self.drivers:
+            driver.wait_closing(timeout=30)
         for evaluation in (False, True):
             for tid in self.ledger.live(evaluation):
                 self.ledger.drop(tid, reason)
@@ -355,6 +407,9 @@ class TrainingRun:
         """Start whole groups while they fit in the room admission control gives."""
         for gid, env_task, seed in self.draw.take(admission_room(self._admission())):
             self.collector.open_group(gid, env_task.name, env_task.group_size)
+            if self.shards is not None:  # the shard with the most free room
+                self.shards.start_group(gid, env_task, seed)
+                continue
             for _ in range(env_task.group_size):
                 self.driver.start(gid, env_task, seed)
 
@@ -403,11 +458,12 @@ class TrainingRun:
     # -- workers joining and leaving, watchdogs ----------------------------------------------
     def _wake(self) -> bool:
         """The event loop stops waiting: a worker came or went, or a watchdog is due."""
-        return self.membership.pending() or time.perf_counter() >= self._next_watchdog
+        return (self.membership.pending() or time.perf_counter() >= self._next_watchdog
+                or (self.shards is not None and self.shards.changes_pending()))
 
     def _waiting_for_workers(self) -> bool:
         """Work is held back until a pool gets a worker again (or the trainer comes back)."""
-        return bool(self._missing_pools()) or bool(self.driver._ready)
+        return bool(self._missing_pools()) or any(d._ready for d in self.drivers)
 
     def _missing_pools(self) -> list[Tag]:
         """The tags no serving worker carries now (a joining inference worker counts)."""
@@ -421,11 +477,14 @@ class TrainingRun:
                 self._worker_left(change)
             else:
                 self._worker_joined(change)
+        if self.shards is not None:
+            self._shard_membership()
         now = time.perf_counter()
         if now < self._next_watchdog:
             return
         self._next_watchdog = now + WATCHDOG_EVERY_S
-        self._cancel(self.driver.overdue(self.cfg.rollout.turn_timeout_s))
+        for driver in self.drivers:
+            self._cancel(driver.overdue(self.cfg.rollout.turn_timeout_s))
         if self.scaler is not None:
             self.scaler.step(now)
         missing = self._missing_pools()
@@ -436,19 +495,24 @@ class TrainingRun:
             since = self._empty_since.setdefault(tag, now)
             if now - since > self.cfg.cluster.pool_empty_timeout_s:
                 self._stop_on_empty_pool(tag, now - since)
+        if self.shards is not None:
+            for k, tag, since in self.shards.empty_pools(now):
+                if now - since > self.cfg.cluster.pool_empty_timeout_s:
+                    self._stop_on_empty_pool(tag, now - since, f" on rollout shard {k}")
 
     def _joining_with(self, tag: Tag) -> list[str]:
         return [w for w, tags in self._joining.items() if tags.get(str(tag), 0) > 0]
 
-    def _stop_on_empty_pool(self, tag: Tag, seconds: float) -> None:
+    def _stop_on_empty_pool(self, tag: Tag, seconds: float, where: str = "") -> None:
         """Rather than wait for ever: the run stops (the caller writes a checkpoint when the
         trainer is there to write it)."""
-        raise PoolLost(f"no worker has advertised {tag} for {seconds:.0f} s "
+        raise PoolLost(f"no worker has advertised {tag}{where} for {seconds:.0f} s "
                        f"(cluster.pool_empty_timeout_s={self.cfg.cluster.pool_empty_timeout_s:g})"
                        f" at policy version {self.version}")
 
-    def _note_change(self, what: str, worker: str, detail: str = "") -> None:
-        pool = self.cluster.worker_pool.get(worker, "?")
+    def _note_change(self, what: str, worker: str, detail: str = "",
+                     pool: str | None = None) -> None:
+        pool = pool or self.cluster.worker_pool.get(worker, "?")
         logger.warning("worker %s (%s) %s%s", worker, pool, what, f": {detail}" if detail else "")
         self.worker_changes.append({"at_s": round(self.elapsed_s, 3), "worker": worker,
                                     "pool": pool, "change": what, "detail": detail})
@@ -458,7 +522,7 @@ class TrainingRun:
         their handlers see their keys in ``_abandoned``."""
         if futures:
             self._abandoned.update(f.key for f in futures)
-            self.client.cancel(futures)
+            cancel(futures)
 
     def _worker_left(self, change: WorkerChange) -> None:
         worker = change.address
@@ -485,6 +549,29 @@ class TrainingRun:
         if worker == self.trainer.worker:
             self._trainer_lost()
         self.pool_slots = self._pool_slots()
+
+    def _shard_membership(self) -> None:
+        """Workers that left or joined a further rollout shard (see flows.shards)."""
+        for shard, change in self.shards.membership_changes():
+            worker = change.address
+            self._note_change(change.change.value, worker, f"rollout shard {shard.index}",
+                              shard.cluster.worker_pool.get(worker, "?"))
+            if change.change is Change.LEFT:
+                self._shard_worker_left(shard.driver, worker)
+            elif worker in shard.joining:  # gets work once it loaded the weights
+                load = self.shards.load_on(shard, worker)
+                if load is not None:  # else with the next version
+                    self._load_weights({worker: load}, shard.events)
+            self.pool_slots = self._pool_slots()
+
+    def _shard_worker_left(self, driver: RolloutDriver, worker: str) -> None:
+        """A worker of a further rollout shard left (already off its shard's router): its
+        turns are abandoned (their trajectories restart or drop), its weight loads given up."""
+        self.worker_versions.pop(worker, None)
+        futures, out = driver.worker_lost(worker)
+        self._cancel(futures)
+        self._on_turn_outcome(out)
+        self._cancel([f for w, f in self._pinned.values() if w == worker])
 
     def _worker_joined(self, change: WorkerChange) -> None:
         worker, tags = change.address, {t: n for t, n in change.tags.items() if n > 0}
@@ -518,6 +605,9 @@ class TrainingRun:
         self._cancel([fut for fut, _, _ in self._checkpointing.values()])
         self._train_future = None
         self._checkpointing.clear()
+        if self._publishing is not None:  # weights it was publishing for the other shards
+            self._cancel([self._publishing])
+            self._publishing = None
         self._drop_training(DropReason.TRAINER_LOST, "the trainer's worker left")
         spare = self.cluster.workers_with(Tag.TRAINER)
         if spare:
@@ -544,10 +634,12 @@ class TrainingRun:
                           f"v{self.version}")
         # joined inference workers waiting for weights get the restored trainer's
         self._load_weights(self.trainer.sync_weights(self.version))
+        self._fan_out_weights()
 
     # -- completions ------------------------------------------------------------------------
     def _on_turn(self, ev: Event) -> None:
-        self._on_turn_outcome(self.driver.on_turn(ev.future, ev.result if ev.ok else None))
+        driver = self.driver if ev.shard == 0 else self.shards.driver(ev.shard)
+        self._on_turn_outcome(driver.on_turn(ev.future, ev.result if ev.ok else None))
 
     def _on_turn_outcome(self, out: TurnOutcome) -> None:
         for rec, traj in out.finished:
@@ -581,8 +673,9 @@ class TrainingRun:
         self._record_train(ev.result)
         progress.update(self.last_metrics, [t.name for t in self.cfg.env_tasks])
         if self.version >= self.cfg.trainer.max_steps:
-            self.driver.stop()
+            self._stop_rollout()
         self._load_weights(self.trainer.sync_weights(self.version))
+        self._fan_out_weights()
         if self.evaluator.due(self.version):
             for ep in self.evaluator.start(self.version):
                 self.driver.start(ep.group_id, ep.env_task, ep.seed, eval_round=ep.round_id)
@@ -657,11 +750,30 @@ class TrainingRun:
         self.driver._next_eval_id = int(state["next_eval_trajectory"])
         self._elapsed_before = float(state["elapsed_s"])
 
-    def _load_weights(self, loads: dict[str, Future]) -> None:
+    def _load_weights(self, loads: dict[str, Future], events: EventLoop | None = None) -> None:
         for w, f in loads.items():
-            self.events.track(f, FutureKind.LOAD_WEIGHTS)
+            (events or self.events).track(f, FutureKind.LOAD_WEIGHTS)
             self._pinned[f.key] = (w, f)
             self.loads_pending += 1
+
+    def _fan_out_weights(self) -> None:
+        """Rollout shards: the weights just published go to the further shards once they are
+        ready (a PUBLISH event); counted as a load in flight until then."""
+        if self.shards is not None:
+            self._publishing = self.events.track(self.trainer.snapshot, FutureKind.PUBLISH)
+            self.loads_pending += 1
+
+    def _on_publish(self, ev: Event) -> None:
+        self.loads_pending -= 1
+        if self._publishing is ev.future:
+            self._publishing = None
+        if self._lost(ev):  # with the trainer's worker: the rebuilt trainer publishes again
+            logger.warning("weights %s lost before reaching the rollout shards", ev.future.key)
+            return
+        if ev.future.status != "finished":
+            raise RuntimeError(f"{ev.future.key} failed: {ev.future.exception()!r}")
+        for events, loads in self.shards.load_weights(ev.result):
+            self._load_weights(loads, events)
 
     def _lost(self, ev: Event) -> bool:
         """Given up on with a lost worker, or its result lost with one (a task that raised is
@@ -681,6 +793,9 @@ class TrainingRun:
         if tags is not None:  # a joined inference worker holds the weights: give it work
             self.driver.router.add(worker, [t for t, n in tags.items() if n > 0])
             self._note_change("serving", worker, f"loaded v{int(ev.result)}")
+        elif self.shards is not None and (shard := self.shards.loaded(worker)) is not None:
+            self._note_change("serving", worker, f"loaded v{int(ev.result)}",
+                              shard.cluster.worker_pool.get(worker, "?"))
 
     def _on_time_share(self, ev: Event) -> None:
         self._pinned.pop(ev.future.key, None)
@@ -703,8 +818,17 @@ class TrainingRun:
                 by_pool[stage][self.cluster.worker_pool.get(w, w)] += n
         reports = self.client.run(worker_report)
         live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
+        if self.shards is not None:
+            live_envs += self.shards.live_envs()
         accounts = self.ledger.summary()
-        turns = self.driver.turn_log
+        turns = [t for d in self.drivers for t in d.turn_log]
+        submitted: Counter[str] = Counter()
+        truncated: Counter[str] = Counter()
+        restarts: Counter[str] = Counter()
+        for d in self.drivers:
+            submitted.update(d.stage_submitted)
+            truncated.update(d.truncated)
+            restarts.update(d.restarts)
         t0 = self.t0 or 0.0
         if self.cfg.metrics.task_stream:
             stream = self.client.run_on_scheduler(task_stream_snapshot)
@@ -716,13 +840,15 @@ class TrainingRun:
             "policy_version": self.version,
             "trajectories": {k: accounts[k] for k in ("started", "finished", "trained",
                                                       "dropped")}
-            | {"truncated": dict(self.driver.truncated)},
+            | {"truncated": dict(truncated)},
             "drop_details": self.ledger.drop_details[:20],
             "evaluation": {"episodes_started": accounts["evaluation"]["started"],
                            "dropped": accounts["evaluation"]["dropped"],
                            "last": self.evaluator.last},
             "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
-            "rollout_tasks_submitted": dict(self.driver.stage_submitted),
+            "rollout_tasks_submitted": dict(submitted),
+            "shards": [{"shard": 0, "rollout_tasks_submitted": dict(submitted)}]
+            if self.shards is None else self.shards.summary(),
             "reward": self.rewards.stats.summary() | {
                 "backend": self.cfg.reward.backend,
                 "endpoint": self.reward_cfg["endpoint_url"] or "aws",
@@ -731,7 +857,7 @@ class TrainingRun:
             "live_env_instances_at_end": live_envs,
             "faults": {"worker_changes": self.worker_changes,
                        "recovery_s": [round(s, 3) for s in self.recoveries_s],
-                       "restarted": dict(self.driver.restarts),
+                       "restarted": dict(restarts),
                        "score_tasks_resent": sum(self.rewards.resent.values())},
             "env_pool": [] if self.scaler is None else [
                 dict(h, at=round(h["at"] - t0, 2)) for h in self.scaler.history],

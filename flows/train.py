@@ -24,6 +24,9 @@ processes and a tiny Qwen2 policy; the KV cache moves through Dask's worker-to-w
     python flows/train.py "metrics.sinks=[jsonl,tensorboard]" --dump-trajectories 2
     # baselines and short runs
     python flows/train.py mode=sync placement=monolithic trainer.max_steps=20
+    # rollout over two schedulers (one scheduler caps the rollout's task rate): a second local
+    # cluster holds a copy of the inference and environment pools; training stays on the first
+    python flows/train.py cluster.shards=2
     # an existing cluster (workers: dask worker tcp://HOST:8786 --resources "GPU_COMPUTE=32")
     python flows/train.py --scheduler tcp://HOST:8786 --run-dir runs/cluster
     # the same over TLS (scheduler and workers started with the same --tls-* flags)
