@@ -61,7 +61,7 @@ class ResponseLengths:
 def least_loaded(workers: list[str], load: Counter) -> str:
     """The worker with the fewest tasks in flight, ties to the first name (the pairs compare
     as ``(load, name)``; without a key function: this runs for every turn)."""
-    return min(zip(map(load.__getitem__, workers), workers))[1]
+    return min(zip(map(load.__getitem__, workers), workers, strict=True))[1]
 
 
 def turn_time(prefill: DeviceModel, decode: DeviceModel, prompt: int, context: int,

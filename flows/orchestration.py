@@ -192,7 +192,7 @@ class Router:
             raise LookupError(f"no worker advertises {tag}")
         if prefer in pool:
             return prefer
-        return min(zip(map(self.load.__getitem__, pool), pool))[1]  # (load, name) pairs
+        return min(zip(map(self.load.__getitem__, pool), pool, strict=True))[1]  # (load, name)
 
     def has(self, tag: str) -> bool:
         return bool(self.workers_by_tag.get(tag))
