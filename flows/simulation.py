@@ -402,8 +402,8 @@ class SimResult:
     turns: int
     tasks: dict[str, int]  # submitted, by stage
     driver_events: int
-    scheduler_busy: list[float]  # per shard: share of time its scheduler queue was serving
-    driver_busy: list[float]
+    scheduler_busy: list[float]  # per shard: share of the training its scheduler was serving
+    driver_busy: list[float]  # likewise, its driver
     generated_tokens: int
     events: int  # simulator events processed
     tasks_per_s: float  # scheduler tasks per second while training (to the last step)
@@ -513,7 +513,8 @@ class Simulation:
                             for t in cfg.env_tasks}
         self._in_tick = False
         self._flush_due = False
-        self._rates_at: tuple[float, int, int] | None = None  # (time, tasks, driver events)
+        # at the last step: (time, tasks, driver events, scheduler and driver busy seconds)
+        self._rates_at: tuple | None = None
 
     # -- cluster ---------------------------------------------------------------------------------
     def _build_cluster(self) -> None:
@@ -936,11 +937,13 @@ class Simulation:
         self._training = []
         self.step_ends.append(self.clock.now)
         # rates are over the training, not the drain after its last step
-        self._rates_at = (self.clock.now, sum(self.tasks.values()), self.driver_events)
+        self._rates_at = (self.clock.now, sum(self.tasks.values()), self.driver_events,
+                          [q.busy_s for q in self.schedulers], [q.busy_s for q in self.drivers])
         self.trainer_busy = False
         if self.version >= self.max_steps:
             self.stopping = True
         self.tasks["publish_weights"] += 1
+        self.schedulers[0].delay(1 + len(self.engines))  # the publish and one load per engine
         for e in self.engines.values():
             self.loads_pending += 1
             self.tasks["load_weights"] += 1
@@ -962,8 +965,9 @@ class Simulation:
         for w, e in self.engines.items():
             busy.setdefault(self.pool_of[w], []).append(e.busy_s)
         accounts = self.ledger.summary()
-        until, tasks, events = self._rates_at or (elapsed, sum(self.tasks.values()),
-                                                  self.driver_events)
+        until, tasks, events, sched_s, driver_s = self._rates_at or (
+            elapsed, sum(self.tasks.values()), self.driver_events,
+            [q.busy_s for q in self.schedulers], [q.busy_s for q in self.drivers])
         return SimResult(
             system=self.system, gpus=self.gpus, cost_per_hour=self.cost, elapsed_s=elapsed,
             steps=self.version, step_times=steps,
@@ -972,8 +976,8 @@ class Simulation:
             trajectories={k: accounts[k] for k in ("started", "trained", "dropped")},
             staleness_mean=sum(self.staleness) / max(len(self.staleness), 1),
             turns=self.turns_done, tasks=dict(self.tasks), driver_events=self.driver_events,
-            scheduler_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.schedulers],
-            driver_busy=[q.busy_s / max(elapsed, 1e-9) for q in self.drivers],
+            scheduler_busy=[b / max(until, 1e-9) for b in sched_s],
+            driver_busy=[b / max(until, 1e-9) for b in driver_s],
             generated_tokens=self.generated, events=self.clock.events,
             tasks_per_s=tasks / max(until, 1e-9), driver_events_per_s=events / max(until, 1e-9),
             wall_s=wall_s)
