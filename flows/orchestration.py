@@ -40,6 +40,19 @@ class AdmissionState:
     stopping: bool
 
 
+def admission_state(cfg, rolling_out: int, unconsumed: int, pool_slots: int,
+                    trainer_busy: bool, weights_syncing: bool, stopping: bool) -> AdmissionState:
+    """The admission state of a run of ``cfg`` (a :class:`flows.config.TrainConfig`): what the
+    Dask flow and the simulator both ask :func:`admission_room` with."""
+    ro = cfg.rollout
+    return AdmissionState(
+        mode=cfg.mode, rolling_out=rolling_out, unconsumed=unconsumed,
+        batch_trajectories=cfg.batch_trajectories(), window_batches=ro.window_batches,
+        spare_trajectories=ro.spare_groups * max(t.group_size for t in cfg.env_tasks),
+        max_in_flight=ro.max_in_flight, pool_slots=pool_slots, trainer_busy=trainer_busy,
+        weights_syncing=weights_syncing, stopping=stopping)
+
+
 def admission_room(s: AdmissionState) -> int:
     """How many more trajectories may start now (whole groups are admitted while they fit).
 

@@ -37,6 +37,7 @@ from flows.orchestration import (
     GroupDraw,
     Router,
     admission_room,
+    admission_state,
     groups_to_cut,
 )
 from flows.reward_dispatch import RewardDispatcher
@@ -393,15 +394,9 @@ class TrainingRun:
 
     # -- decisions --------------------------------------------------------------------------
     def _admission(self) -> AdmissionState:
-        ro = self.cfg.rollout
-        return AdmissionState(
-            mode=self.cfg.mode, rolling_out=self.ledger.rolling_out,
-            unconsumed=self.ledger.unconsumed, batch_trajectories=self.batch_trajectories,
-            window_batches=ro.window_batches,
-            spare_trajectories=ro.spare_groups * max(t.group_size for t in self.cfg.env_tasks),
-            max_in_flight=ro.max_in_flight, pool_slots=self.pool_slots,
-            trainer_busy=self.trainer_busy, weights_syncing=self.loads_pending > 0,
-            stopping=self.driver.stopping)
+        return admission_state(self.cfg, self.ledger.rolling_out, self.ledger.unconsumed,
+                               self.pool_slots, self.trainer_busy, self.loads_pending > 0,
+                               self.driver.stopping)
 
     def _admit(self) -> None:
         """Start whole groups while they fit in the room admission control gives."""

@@ -476,7 +476,6 @@ class Simulation:
         self.collector = orchestration.GroupCollector()
         self.draw = orchestration.GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
         self.lengths = dispatch_mod.ResponseLengths()
-        self.batch_trajectories = cfg.batch_trajectories()
         # a run of ``hours`` trains until the clock runs out
         self.max_steps = 10**9 if self.sim.hours else cfg.trainer.max_steps
         self._build_cluster()
@@ -609,19 +608,10 @@ class Simulation:
         self._flush_due = False
         self._flush_rewards()
 
-    def _admission(self) -> orchestration.AdmissionState:
-        ro = self.cfg.rollout
-        return orchestration.AdmissionState(
-            mode=self.cfg.mode, rolling_out=self.ledger.rolling_out,
-            unconsumed=self.ledger.unconsumed, batch_trajectories=self.batch_trajectories,
-            window_batches=ro.window_batches,
-            spare_trajectories=ro.spare_groups * max(t.group_size for t in self.cfg.env_tasks),
-            max_in_flight=ro.max_in_flight, pool_slots=self.pool_slots,
-            trainer_busy=self.trainer_busy, weights_syncing=self.loads_pending > 0,
-            stopping=self.stopping)
-
     def _admit(self) -> None:
-        room = orchestration.admission_room(self._admission())
+        room = orchestration.admission_room(orchestration.admission_state(
+            self.cfg, self.ledger.rolling_out, self.ledger.unconsumed, self.pool_slots,
+            self.trainer_busy, self.loads_pending > 0, self.stopping))
         for gid, env_task, seed in self.draw.take(room):
             self.collector.open_group(gid, env_task.name, env_task.group_size)
             shard = min(range(self.sim.shards), key=lambda s: (self._shard_load[s], s))
