@@ -316,18 +316,22 @@ def split_search(cfg: TrainConfig, sim: SimSettings, budget: float | None = None
     return sorted(out, key=lambda x: x["step_s"])
 
 
-# the control plane as built, sharded over schedulers (and drivers), and coarser tasks: cohorts
+# the control plane as built, sharded over schedulers (cluster.shards: one driver), with a
+# driver per shard too (a design), and coarser tasks: cohorts
 # as the flow forms them (of turns that happen to share their workers) and with a group's
 # turns placed together so that cohorts form
 REMEDIES = {"one scheduler": [], "2 shards": ["simulate.shards=2"],
-            "4 shards": ["simulate.shards=4"], "cohorts of 8": ["rollout.cohort_max=8"],
+            "4 shards": ["simulate.shards=4"],
+            "4 shards, 4 drivers": ["simulate.shards=4", "simulate.shard_drivers=true"],
+            "cohorts of 8": ["rollout.cohort_max=8"],
             "cohorts of 8, group placement": ["rollout.cohort_max=8",
                                               "simulate.group_placement=true"]}
 
 
 def load_study(cfg: TrainConfig, sim: SimSettings, gpus: list[int],
                remedies: dict[str, list[str]] = REMEDIES) -> list[dict]:
-    """``rollarc`` at each cluster size with the scheduler and driver costs of ``sim``, as it
+    """``rollarc`` at each cluster size with the scheduler and driver costs of ``sim`` (which
+    must be set: from ``--capacity``), as it
     is and with each remedy: tasks and completions per second per scheduler and driver, their
     busy shares, and the step time (a saturated control plane shows as time)."""
     out = []
@@ -337,9 +341,12 @@ def load_study(cfg: TrainConfig, sim: SimSettings, gpus: list[int],
             c = with_overrides(cfg, scaled(cfg, n) + train)
             s = sim_settings(sim.model_dump(), sim_over)
             r = simulate(c, s, "rollarc")
+            drivers = s.shards if s.shard_drivers else 1
             out.append({"gpus": n, "remedy": name, "shards": s.shards, "step_s": r.step_s,
-                        "tasks_per_s": r.tasks_per_s / s.shards,
-                        "driver_events_per_s": r.driver_events_per_s / s.shards,
+                        # the busiest scheduler's (shard 0 also takes score, train and load
+                        # tasks)
+                        "tasks_per_s": max(r.scheduler_busy) / (s.scheduler_us_per_task * 1e-6),
+                        "driver_events_per_s": r.driver_events_per_s / drivers,
                         "scheduler_busy": max(r.scheduler_busy),
                         "driver_busy": max(r.driver_busy), "wall_s": r.wall_s})
             logger.info("%d GPUs, %s: %.1f s/step, %.0f tasks/s per scheduler", n, name,

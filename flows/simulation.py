@@ -101,8 +101,10 @@ class SimSettings(BaseModel):
                                          "task (0: not modelled); from flows/bench_scheduler.py")
     driver_us_per_event: float = Field(default=0.0, ge=0, description="Driver time per "
                                        "completion handled (0: not modelled)")
-    shards: int = Field(default=1, ge=1, description="Schedulers and drivers the rollout is "
-                        "sharded over (the scale remedy)")
+    shards: int = Field(default=1, ge=1, description="Schedulers the rollout is sharded over "
+                        "(the scale remedy, cluster.shards), one driver for all")
+    shard_drivers: bool = Field(default=False, description="A design the flow does not have: "
+                                "one driver process per shard as well")
     group_placement: bool = Field(default=False, description="A design the flow does not "
                                   "have: a group's trajectories ready together share their "
                                   "workers, so that cohorts (rollout.cohort_max) form at scale")
@@ -498,7 +500,7 @@ class Simulation:
         self.schedulers = [Queue(self.clock, self.sim.scheduler_us_per_task * 1e-6)
                            for _ in range(shards)]
         self.drivers = [Queue(self.clock, self.sim.driver_us_per_event * 1e-6)
-                        for _ in range(shards)]
+                        for _ in range(shards if self.sim.shard_drivers else 1)]
         self._shard_load = [0] * shards
         self.lambda_busy: Counter[str] = Counter()  # instances running, per function
         self.lambda_warm: Counter[str] = Counter()  # instances started, per function
@@ -754,7 +756,8 @@ class Simulation:
             for w in {plan.decode_worker, plan.prefill_worker, m.env_worker}:
                 self.router.finished(w)
         # the completion reaches the driver through its queue
-        self.clock.after(self.drivers[t.shard].delay(), self._on_turn, cohort["members"])
+        driver = self.drivers[t.shard % len(self.drivers)]
+        self.clock.after(driver.delay(), self._on_turn, cohort["members"])
 
     def _on_turn(self, members: list[_Traj]) -> None:
         self.driver_events += 1
