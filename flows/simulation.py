@@ -18,7 +18,9 @@ What is simulated, and with what:
   decode-only runs up to the next finish, cut at a step boundary by an arrival, weight loads
   and colocated training as pauses between steps), KV hand-offs wait on the link;
 - **environments**: each worker's slots; reset and step latencies drawn from the env task's
-  :class:`tasks.envs.latency.RemoteLatency` spec, crashes at ``faults.env.crash_rate``; the
+  :class:`tasks.envs.latency.RemoteLatency` layers (``faults.env`` adds one) with their
+  failure rates, from the same per-episode streams; a failed call restarts the trajectory or
+  drops it (``rollout.max_attempts``); the
   number of turns of a trajectory (what the policy and environment decide) is drawn from
   ``simulate.turns``;
 - **reward**: one score task per function and burst (as :mod:`flows.reward_dispatch` cuts
@@ -46,7 +48,7 @@ import heapq
 import math
 import random
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
@@ -383,7 +385,8 @@ class _Traj:
     kv_at: str | None = None  # the engine holding its KV
     shard: int = 0
     env_s: float = 0.0
-    env_rng: random.Random | None = None  # its environment's latency draws
+    env_rngs: list = field(default_factory=list)  # its environment's latency draws
+    failed: bool = False  # its environment raised during this turn
     cohort: dict | None = None  # the cohort of its turn in flight
 
 
@@ -447,23 +450,25 @@ class _EnvLatency:
     def stream(self, episode_seed: int) -> random.Random:
         return random.Random(f"{self.seed}/{episode_seed}")
 
-    def draw(self, latency: Latency, rng: random.Random, step: bool) -> float:
+    def draw(self, step: bool, rng: random.Random) -> tuple[float, bool]:
+        """(seconds, whether the call failed) of a step or a reset."""
         if step and self.hang_rate:
             rng.random()  # the hang draw (hangs are not simulated)
-        seconds = latency.sample(rng)
-        if self.failure_rate:
-            rng.random()
-        return seconds
+        seconds = (self.step if step else self.reset).sample(rng)
+        return seconds, bool(self.failure_rate) and rng.random() < self.failure_rate
 
 
-def _env_latency(spec: dict) -> _EnvLatency | None:
-    """The latencies of a RemoteLatency-wrapped environment (None: a local one)."""
-    if isinstance(spec, dict) and str(spec.get("_component_", "")).endswith("RemoteLatency"):
-        return _EnvLatency(Latency.of(spec.get("reset_latency")),
-                           Latency.of(spec.get("step_latency")), int(spec.get("seed", 0)),
-                           float(spec.get("failure_rate", 0.0)),
-                           float(spec.get("hang_rate", 0.0)))
-    return None
+def _env_latency(spec: dict) -> list[_EnvLatency]:
+    """The RemoteLatency layers around an environment, outermost first (``faults.env`` wraps
+    one more around the env task's own); none for a local environment."""
+    layers = []
+    while isinstance(spec, dict) and str(spec.get("_component_", "")).endswith("RemoteLatency"):
+        layers.append(_EnvLatency(Latency.of(spec.get("reset_latency")),
+                                  Latency.of(spec.get("step_latency")), int(spec.get("seed", 0)),
+                                  float(spec.get("failure_rate", 0.0)),
+                                  float(spec.get("hang_rate", 0.0))))
+        spec = spec.get("env")
+    return layers
 
 
 class Simulation:
@@ -684,25 +689,30 @@ class Simulation:
 
     def _start_turn(self, t: _Traj, plan, prompt: int, response: int, fresh: bool) -> None:
         if fresh:
-            lat = self.env_latency[t.env_task.name]
-            t.env_rng = lat.stream(t.seed) if lat is not None else None
+            t.env_rngs = [lat.stream(t.seed) for lat in self.env_latency[t.env_task.name]]
             self.slots[(t.env_worker, Tag.CPU_ENV)].acquire(
                 self._env_call, t, False, self._prefill, (t, plan, prompt, response))
         else:
             self._prefill(t, plan, prompt, response)
 
     def _env_call(self, t: _Traj, step: bool, then, args) -> None:
-        lat = self.env_latency[t.env_task.name]
-        if lat is None:
-            seconds = self.sim.local_env_step_s
-        else:
-            seconds = lat.draw(lat.step if step else lat.reset, t.env_rng, step)
+        layers = self.env_latency[t.env_task.name]
+        seconds = 0.0 if layers else self.sim.local_env_step_s
+        for lat, rng in zip(layers, t.env_rngs, strict=True):
+            s, failed = lat.draw(step, rng)
+            seconds += s
+            if failed:  # the call raises after its latency; the inner layers never run
+                t.failed = True
+                break
         seconds *= self.env_slowdown.get(t.env_worker, 1.0)
         t.env_s += seconds
         self.clock.after(seconds, self._env_done, t, then, args)
 
     def _env_done(self, t: _Traj, then, args) -> None:
         self.slots[(t.env_worker, Tag.CPU_ENV)].release()
+        if t.failed and then is self._prefill:  # a failed reset ends the turn there
+            self._turn_done(t, args[1])
+            return
         then(*args)
 
     def _prefill(self, t: _Traj, plan, prompt: int, response: int) -> None:
@@ -761,12 +771,12 @@ class Simulation:
 
     def _on_turn(self, members: list[_Traj]) -> None:
         self.driver_events += 1
-        crash = self.cfg.faults.env.crash_rate
         for t in members:
             self.turns_done += 1
             t.turn += 1
             t.cohort = None
-            if crash and self.rng.random() < crash:
+            if t.failed:  # its environment raised: a fresh one, or dropped (rollout_error)
+                t.failed = False
                 self._restart_or_drop(t)
             elif t.turn >= t.turns or self.stopping:
                 self._finished(t)

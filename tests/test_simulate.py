@@ -161,3 +161,13 @@ def test_the_simulation_follows_an_emulated_bench_run(tmp_path):
         assert abs(rec["step_error"]) < 0.25, rec
         assert rec["devices_only_step_s"] <= rec["simulated_step_s"]
     assert (tmp_path / "validation" / "validation.json").exists()
+
+
+def test_environment_failures_restart_or_drop_and_every_trajectory_is_counted():
+    cfg, sim = _cfg("faults.env.crash_rate=0.1", "rollout.max_attempts=1")
+    r = run_sim(cfg, sim)
+    t = r.trajectories
+    assert t["dropped"].get("rollout_error", 0) > 0
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())
+    retried = run_sim(*_cfg("faults.env.crash_rate=0.1", "rollout.max_attempts=3"))
+    assert retried.trajectories["dropped"].get("rollout_error", 0) < t["dropped"]["rollout_error"]
