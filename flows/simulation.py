@@ -621,7 +621,10 @@ class Simulation:
             self.trainer_busy, self.loads_pending > 0, self.stopping))
         for gid, env_task, seed in self.draw.take(room):
             self.collector.open_group(gid, env_task.name, env_task.group_size)
-            shard = min(range(self.sim.shards), key=lambda s: (self._shard_load[s], s))
+            # the shard with the most free room, as the flow picks (its engines are shared
+            # here: each shard gets an equal part of the slots)
+            shard = orchestration.pick_shard(self._shard_load,
+                                             [self.pool_slots // self.sim.shards] * self.sim.shards)
             for _ in range(env_task.group_size):
                 tid, self.next_id = self.next_id, self.next_id + 1
                 t = _Traj(tid, gid, env_task, seed,
