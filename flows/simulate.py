@@ -13,6 +13,8 @@ hours, turns per trajectory, scheduler and driver costs, shards); dotted overrid
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --sweep 64 256 1024 4096
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --split-search
     python flows/simulate.py --validate runs/bench/long_tail              # against a bench run
+    python flows/bench_scheduler.py && python flows/simulate.py --config config/bench/long_tail.yaml \
+        --capacity runs/bench_scheduler/capacity.json --load 256 1024 4096   # scheduler load
 
 Where it departs from the Dask flow, on purpose: environments and the policy do not run, so the
 number of turns of a trajectory is drawn (``simulate.turns``) and rewards are random (they only

@@ -7,7 +7,8 @@ What is simulated, and with what:
   (:func:`~flows.orchestration.groups_to_cut`), the group collector and staleness
   (:class:`~flows.orchestration.GroupCollector`), the router
   (:class:`~flows.orchestration.Router`), per-turn dispatch (:func:`flows.dispatch.plan_turn`),
-  the affinity routing of pools (:func:`flows.launch.pool_router`), the trajectory state
+  the affinity routing of pools (:func:`flows.launch.pool_router`), the shard a group goes to
+  (:func:`~flows.orchestration.pick_shard`), the trajectory state
   machine (:class:`flows.lifecycle.TrajectoryLedger`) and the turn shapes
   (:func:`flows.workload.turn_shape`) are the very ones the Dask flow calls; they are looked up
   on their modules at call time, so replacing one (a test does) changes the simulation;
