@@ -468,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, sim = load(args.config, overrides)
         capacity = {}
         if args.capacity:
-            capacity = capacity_costs(json.loads(Path(args.capacity).read_text()))
+            try:
+                capacity = capacity_costs(json.loads(Path(args.capacity).read_text()))
+            except (OSError, ValueError, KeyError) as exc:
+                raise ConfigError(f"--capacity: {args.capacity} is not a capacity.json of "
+                                  f"flows/bench_scheduler.py ({exc!r})") from None
             sim = sim.model_copy(update={
                 "scheduler_us_per_task": capacity["scheduler_us_per_task"],
                 "driver_us_per_event": capacity["driver_us_per_event"]})
