@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from flows import orchestration, simulate
-from flows.simulation import Clock, SimEngine, SimSettings, TurnCount
+from flows.simulation import SimSettings, TurnCount
 from flows.simulation import simulate as run_sim
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
+from resources.sim_engine import Clock, SimEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_TAIL = ROOT / "config" / "bench" / "long_tail.yaml"
