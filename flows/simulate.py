@@ -116,11 +116,12 @@ def scaled(cfg: TrainConfig, gpus: int) -> list[str]:
     for i, p in enumerate(cfg.cluster.pools):
         if p.role in (Role.INFERENCE, Role.ENV, Role.ALL):
             out.append(f"cluster.pools.{i}.workers={max(1, round(p.workers * f))}")
-        elif p.role is Role.TRAIN:
-            out.append(f"cluster.pools.{i}.gpus={max(1, round(p.gpus * p.workers * f))}")
+        elif p.role is Role.TRAIN:  # one trainer over more (or fewer) devices
+            out.append(f"cluster.pools.{i}.gpus={max(1, round(p.gpus * f))}")
     groups = max(1, round(cfg.trainer.groups_per_step * f))
+    group = max(t.group_size for t in cfg.env_tasks)  # admission holds a whole group at least
     out += [f"trainer.groups_per_step={groups}",
-            f"rollout.max_in_flight={max(round(cfg.rollout.max_in_flight * f), 8)}"]
+            f"rollout.max_in_flight={max(round(cfg.rollout.max_in_flight * f), group)}"]
     return out
 
 
