@@ -149,7 +149,6 @@ class _Traj:
     decode_worker: str | None = None  # sticky decode worker
     kv_at: str | None = None  # the engine holding its KV
     shard: int = 0
-    env_s: float = 0.0
     env_rngs: list = field(default_factory=list)  # its environment's latency draws
     failed: bool = False  # its environment raised during this turn
     cohort: dict | None = None  # the cohort of its turn in flight
@@ -175,6 +174,7 @@ class SimResult:
     scheduler_busy: list[float]  # per shard: share of the training its scheduler was serving
     driver_busy: list[float]  # likewise, its driver
     generated_tokens: int
+    reward: dict[str, int]  # Lambda invocations, throttles, cold starts
     events: int  # simulator events processed
     tasks_per_s: float  # scheduler tasks per second while training (to the last step)
     driver_events_per_s: float  # completions the driver handled per second, likewise
@@ -473,7 +473,6 @@ class Simulation:
                 t.failed = True
                 break
         seconds *= self.env_slowdown.get(t.env_worker, 1.0)
-        t.env_s += seconds
         self.clock.after(seconds, self._env_done, t, then, args)
 
     def _env_done(self, t: _Traj, then, args) -> None:
@@ -749,7 +748,8 @@ class Simulation:
             turns=self.turns_done, tasks=dict(self.tasks), driver_events=self.driver_events,
             scheduler_busy=[b / max(until, 1e-9) for b in sched_s],
             driver_busy=[b / max(until, 1e-9) for b in driver_s],
-            generated_tokens=self.generated, events=self.clock.events,
+            generated_tokens=self.generated, reward=dict(self.reward_calls),
+            events=self.clock.events,
             tasks_per_s=tasks / max(until, 1e-9), driver_events_per_s=events / max(until, 1e-9),
             wall_s=wall_s)
 

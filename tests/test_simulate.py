@@ -172,3 +172,13 @@ def test_environment_failures_restart_or_drop_and_every_trajectory_is_counted():
     assert t["started"] == t["trained"] + sum(t["dropped"].values())
     retried = run_sim(*_cfg("faults.env.crash_rate=0.1", "rollout.max_attempts=3"))
     assert retried.trajectories["dropped"].get("rollout_error", 0) < t["dropped"]["rollout_error"]
+
+
+def test_lambda_concurrency_throttles_and_cold_starts():
+    free = run_sim(*_cfg("simulate.lambda_concurrency=1000"))
+    tight = run_sim(*_cfg("simulate.lambda_concurrency=1"))
+    functions = len({simulate.load(LONG_TAIL)[0].reward.function_of(t)
+                     for t in simulate.load(LONG_TAIL)[0].env_tasks})
+    assert free.reward.get("throttles", 0) == 0 < tight.reward["throttles"]
+    assert tight.reward["cold_starts"] == functions  # one instance per function, kept warm
+    assert free.reward["cold_starts"] >= tight.reward["cold_starts"]
