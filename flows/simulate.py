@@ -68,7 +68,13 @@ def load(path: str | Path, overrides: list[str] = ()) -> tuple[TrainConfig, SimS
     sim = data.pop("simulate", None) or {}
     train, settings = split_overrides(overrides)
     _apply_overrides(data, train)
-    return _validated(data), sim_settings(sim, settings)
+    cfg, sim_cfg = _validated(data), sim_settings(sim, settings)
+    names = {t.name for t in cfg.env_tasks}
+    for name in sim_cfg.turns:
+        if name not in names:
+            raise ConfigError(f"simulate.turns.{name}: no such env task; env tasks: "
+                              f"{sorted(names)}")
+    return cfg, sim_cfg
 
 
 def split_overrides(overrides) -> tuple[list[str], list[str]]:

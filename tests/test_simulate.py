@@ -143,6 +143,8 @@ def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
                           "simulate.shardz=2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "simulate.shardz" in bad.stderr
+    with pytest.raises(simulate.ConfigError, match="simulate.turns.chess"):
+        simulate.load(LONG_TAIL, ["simulate.turns.chess={mean: 3}"])
 
 
 @pytest.mark.long
