@@ -66,6 +66,7 @@ from resources import emulated
 from resources.catalog import HardwareProfile, get_profile
 from resources.device_model import DeviceModel
 from resources.pools import Role, Tag
+from resources.reward_client import chunk_size
 from resources.sim_engine import Clock, Queue, SimEngine, Slots
 from tasks.envs.latency import Latency
 from tasks.records import Trajectory
@@ -143,7 +144,6 @@ class _Traj:
     attempt: int = 0
     turn: int = 0
     context: int = 0  # virtual tokens so far
-    generated: int = 0
     oldest: int | None = None
     env_worker: str | None = None
     decode_worker: str | None = None  # sticky decode worker
@@ -183,6 +183,11 @@ class SimResult:
     @property
     def step_s(self) -> float:
         return median(self.step_times) if self.step_times else float("nan")
+
+    @property
+    def steady_step_s(self) -> float:
+        """Mean time per step after the first (which holds the start-up)."""
+        return sum(self.step_times[1:]) / (len(self.step_times) - 1)
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "step_times"}
@@ -257,7 +262,6 @@ class Simulation:
         self.stopping = False
         self.ready: list[_Traj] = []
         self.reward_pending: list[tuple[_Traj, Trajectory]] = []
-        self.live: dict[int, _Traj] = {}
         self.next_id = 0
         self.step_ends: list[float] = []
         self.staleness: list[int] = []
@@ -397,7 +401,6 @@ class Simulation:
                 self._shard_load[shard] += 1
                 self.ledger.admit(tid)
                 self.ledger.transition(tid, lifecycle.TrajState.ROLLING_OUT)
-                self.live[tid] = t
                 self.ready.append(t)
 
     # -- a turn ----------------------------------------------------------------------------------
@@ -515,7 +518,6 @@ class Simulation:
         def done() -> None:
             self.slots[(plan.decode_worker, plan.decode_tag)].release()
             t.context = context + response
-            t.generated += response
             self.generated += response
             t.kv_at = t.decode_worker = plan.decode_worker
             self.lengths.record(t.env_task.name, response)
@@ -563,7 +565,6 @@ class Simulation:
         self.ready.append(t)
 
     def _release(self, t: _Traj) -> None:
-        self.live.pop(t.tid, None)
         self._shard_load[t.shard] -= 1
 
     def _finished(self, t: _Traj) -> None:
@@ -604,12 +605,14 @@ class Simulation:
                                  self._score, worker, function, batch)
 
     def _score(self, worker: str, function: str, batch: list[Trajectory]) -> None:
-        """One score task: invocations of up to batch_max, reward.concurrency at a time."""
+        """One score task: the burst in chunks as the reward client cuts them
+    (:func:`resources.reward_client.chunk_size`), reward.concurrency calls at a time."""
         r = self.cfg.reward
-        n = len(batch)
-        calls = max(math.ceil(n / r.batch_max), min(r.concurrency, math.ceil(n / r.min_batch)))
-        size = math.ceil(n / calls)
-        chunks = [batch[i:i + size] for i in range(0, n, size)]
+        # the Lambda client fans a burst out over reward.concurrency calls; the local client
+        # scores its chunks one after the other
+        lanes = r.concurrency if r.backend == "lambda" else 1
+        size = chunk_size(len(batch), lanes, r.min_batch, r.batch_max)
+        chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
         state = {"left": len(chunks), "queue": deque(chunks)}
 
         def next_call() -> None:
@@ -624,7 +627,7 @@ class Simulation:
             self.slots[(worker, Tag.SERVERLESS)].release()
             self.clock.after(self.drivers[0].delay(), self._on_scored, batch)
 
-        for _ in range(min(r.concurrency, len(chunks))):
+        for _ in range(min(lanes, len(chunks))):
             next_call()
 
     def _invoke(self, function: str, chunk: list[Trajectory], done) -> None:
@@ -707,8 +710,7 @@ class Simulation:
         self._training = []
         self.step_ends.append(self.clock.now)
         # rates are over the training, not the drain after its last step
-        self._rates_at = (self.clock.now, sum(self.tasks.values()), self.driver_events,
-                          [q.busy_s for q in self.schedulers], [q.busy_s for q in self.drivers])
+        self._rates_at = self._rates()
         self.trainer_busy = False
         if self.version >= self.max_steps:
             self.stopping = True
@@ -727,6 +729,11 @@ class Simulation:
         self._tick()
 
     # -- report ----------------------------------------------------------------------------------
+    def _rates(self) -> tuple:
+        """(now, tasks, driver events, each scheduler's and driver's busy seconds) so far."""
+        return (self.clock.now, sum(self.tasks.values()), self.driver_events,
+                [q.busy_s for q in self.schedulers], [q.busy_s for q in self.drivers])
+
     def _result(self, wall_s: float) -> SimResult:
         elapsed = self.clock.now
         ends = [0.0] + self.step_ends
@@ -735,9 +742,7 @@ class Simulation:
         for w, e in self.engines.items():
             busy.setdefault(self.pool_of[w], []).append(e.busy_s)
         accounts = self.ledger.summary()
-        until, tasks, events, sched_s, driver_s = self._rates_at or (
-            elapsed, sum(self.tasks.values()), self.driver_events,
-            [q.busy_s for q in self.schedulers], [q.busy_s for q in self.drivers])
+        until, tasks, events, sched_s, driver_s = self._rates_at or self._rates()
         return SimResult(
             system=self.system, gpus=self.gpus, cost_per_hour=self.cost, elapsed_s=elapsed,
             steps=self.version, step_times=steps,
