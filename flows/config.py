@@ -707,9 +707,15 @@ def apply_override(data: dict, key: str, value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    path = Path(path) if path else DEFAULT_CONFIG
+    data = read_config_file(Path(path) if path else DEFAULT_CONFIG)
+    _apply_overrides(data, overrides or [])
+    return _validated(data)
+
+
+def read_config_file(path: Path) -> dict:
+    """A config YAML's data, or a ConfigError naming ``--config`` and why it cannot be read."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file {str(path)!r}") from None
     except IsADirectoryError:
@@ -719,8 +725,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"--config: {str(path)!r} cannot be read: {reason}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
-    _apply_overrides(data, overrides or [])
-    return _validated(data)
 
 
 def _apply_overrides(data: dict, overrides) -> None:

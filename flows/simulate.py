@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
+from flows.bench import gpu_cost
 from flows.bench_report import markdown_table
 from flows.config import (
     ConfigError,
@@ -43,13 +43,18 @@ from flows.config import (
     _check_path,
     _parse_value,
     _validated,
+    load_config,
+    read_config_file,
+    with_overrides,
 )
+from flows.metrics import read_metrics
 from flows.simulation import SimResult, SimSettings, simulate
 from resources.catalog import get_profile
 from resources.pools import Role
 
 logger = logging.getLogger(__name__)
 
+GPU_ROLES = (Role.INFERENCE, Role.TRAIN)  # the pools whose GPUs a cluster's size counts
 SYSTEMS = ("rollarc", "sync-disaggregated", "async-monolithic", "sync-monolithic")
 DEFAULT_SWEEP = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
@@ -59,12 +64,7 @@ DEFAULT_SWEEP = (64, 128, 256, 512, 1024, 2048, 3072, 4096)
 
 def load(path: str | Path, overrides: list[str] = ()) -> tuple[TrainConfig, SimSettings]:
     """A training config and its ``simulate:`` section, overrides applied to both."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"--config: no such file {str(path)!r}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config: {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    data = read_config_file(Path(path))
     sim = data.pop("simulate", None) or {}
     train, settings = split_overrides(overrides)
     _apply_overrides(data, train)
@@ -103,14 +103,9 @@ def sim_settings(section: dict, overrides: list[str] = ()) -> SimSettings:
         raise ConfigError(f"simulate.{loc}: {err['msg']}") from None
 
 
-def _gpu_pools(cfg: TrainConfig) -> list:
-    return [p for p in cfg.cluster.pools
-            if get_profile(p.profile, cfg.affinity.profiles).accelerator
-            and p.role is not Role.SERVERLESS]
-
-
 def gpus_of(cfg: TrainConfig) -> int:
-    return sum(p.workers * p.gpus for p in _gpu_pools(cfg))
+    """GPUs of the inference and trainer pools."""
+    return gpu_cost(cfg, GPU_ROLES)[0]
 
 
 def scaled(cfg: TrainConfig, gpus: int) -> list[str]:
@@ -135,8 +130,7 @@ def monolithic_shape(cfg: TrainConfig) -> tuple[int, int]:
     """(workers, GPUs each) of the monolithic profile at about the hourly cost of the
     disaggregated GPU pools; an engine as large as the largest inference engine (the model
     must fit)."""
-    cost = sum(p.workers * p.gpus * get_profile(p.profile, cfg.affinity.profiles).price_per_hour
-               for p in _gpu_pools(cfg))
+    _, cost = gpu_cost(cfg, GPU_ROLES)
     gpus = max(p.gpus for p in cfg.cluster.pools if p.role is Role.INFERENCE)
     price = get_profile(cfg.cluster.monolithic_profile, cfg.affinity.profiles).price_per_hour
     return max(1, round(cost / (price * gpus))), gpus
@@ -148,12 +142,6 @@ def system_overrides(cfg: TrainConfig, system: str) -> list[str]:
             f"cluster.monolithic_gpus={gpus}"]
     return {"rollarc": [], "sync-disaggregated": ["mode=sync"], "async-monolithic": mono,
             "sync-monolithic": ["mode=sync", *mono]}[system]
-
-
-def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
-    data = cfg.model_dump(mode="json")
-    _apply_overrides(data, overrides)
-    return _validated(data)
 
 
 def run_systems(cfg: TrainConfig, sim: SimSettings, systems=SYSTEMS) -> dict[str, SimResult]:
@@ -198,18 +186,11 @@ def systems_table(results: dict[str, SimResult], capacity: dict | None = None) -
 # -- validation against an emulated bench run ----------------------------------------------------
 
 
-def _train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    return [r for r in rows if "train/step" in r]
-
-
-def calibration(run_dir: Path, cfg: TrainConfig, figures: dict) -> list[str]:
+def calibration(run_dir: Path, cfg: TrainConfig, figures: dict, rows: list[dict]) -> list[str]:
     """Overrides that give the simulator what the emulated run measured and the simulator
     cannot know: turns per trajectory by env task (the policy's and environments' doing), the
     orchestration time per turn and the trainer's real work per step (both in emulated
-    seconds)."""
-    rows = _train_rows(run_dir)
+    seconds). ``rows``: the run's train metrics rows."""
     out = []
     for t in cfg.env_tasks:
         n = sum(r.get(f"env/{t.name}/trajectories", 0) for r in rows)
@@ -239,17 +220,18 @@ def validate(bench_dir: Path, out: Path | None = None) -> tuple[list[list[str]],
     rows, records = [], []
     for name, fig in bench["results"].items():
         run_dir = bench_dir / "runs" / f"{name}-0"
-        cfg = _validated(yaml.safe_load((run_dir / "config.yaml").read_text()))
-        sim_over = calibration(run_dir, cfg, fig)
+        cfg = load_config(run_dir / "config.yaml")  # the run's resolved config
+        metrics = read_metrics(run_dir)
+        sim_over = calibration(run_dir, cfg, fig, metrics)
         r = simulate(cfg, sim_settings({}, sim_over), name)
         # time per step after the first (which holds the start-up): the steady state, less
         # noisy than a median of a few steps
-        ends = [row["perf/elapsed_s"] / cfg.engine.time_scale for row in _train_rows(run_dir)]
+        ends = [row["perf/elapsed_s"] / cfg.engine.time_scale for row in metrics]
         step_e = (ends[-1] - ends[0]) / (len(ends) - 1)
-        step_s = sum(r.step_times[1:]) / (len(r.step_times) - 1)
+        step_s = r.steady_step_s
         # the same without the orchestration measured: what the devices alone explain
-        bare = simulate(cfg, sim_settings({}, [o for o in sim_over if ".turns." in o]), name)
-        bare_s = sum(bare.step_times[1:]) / (len(bare.step_times) - 1)
+        bare_s = simulate(cfg, sim_settings({}, [o for o in sim_over if ".turns." in o]),
+                          name).steady_step_s
         rec = {"workload": workload, "system": name, "emulated_step_s": step_e,
                "simulated_step_s": step_s, "step_error": step_s / step_e - 1,
                "devices_only_step_s": bare_s,
