@@ -534,13 +534,9 @@ class TrainingRun:
             self._lost_at = change.at
         self.driver.router.remove(worker)
         self.trainer.inference_workers.pop(worker, None)
-        self.worker_versions.pop(worker, None)
         self._joining.pop(worker, None)
-        futures, out = self.driver.worker_lost(worker)
-        self._cancel(futures)
-        self._on_turn_outcome(out)
+        self._rollout_worker_lost(self.driver, worker)
         self._cancel(self.rewards.worker_lost(worker))
-        self._cancel([f for w, f in self._pinned.values() if w == worker])
         if worker == self.trainer.worker:
             self._trainer_lost()
         self.pool_slots = self._pool_slots()
@@ -552,16 +548,16 @@ class TrainingRun:
             self._note_change(change.change.value, worker, f"rollout shard {shard.index}",
                               shard.cluster.worker_pool.get(worker, "?"))
             if change.change is Change.LEFT:
-                self._shard_worker_left(shard.driver, worker)
+                self._rollout_worker_lost(shard.driver, worker)
             elif worker in shard.joining:  # gets work once it loaded the weights
                 load = self.shards.load_on(shard, worker)
                 if load is not None:  # else with the next version
                     self._load_weights({worker: load}, shard.events)
             self.pool_slots = self._pool_slots()
 
-    def _shard_worker_left(self, driver: RolloutDriver, worker: str) -> None:
-        """A worker of a further rollout shard left (already off its shard's router): its
-        turns are abandoned (their trajectories restart or drop), its weight loads given up."""
+    def _rollout_worker_lost(self, driver: RolloutDriver, worker: str) -> None:
+        """A worker of ``driver``'s shard left (already off its router): its turns are
+        abandoned (their trajectories restart or drop), its weight loads given up."""
         self.worker_versions.pop(worker, None)
         futures, out = driver.worker_lost(worker)
         self._cancel(futures)
