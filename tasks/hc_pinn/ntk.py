@@ -1,0 +1,171 @@
+"""The HC-PINN network, its trial function, the residual neural tangent kernel and its spectrum.
+
+The trial function is ``u~(x) = A(x) + B(x) N(x; theta)`` with ``N`` a tanh MLP. The residual
+kernel is ``K = J J^T`` with ``J[i, j] = d r(x_i; theta) / d theta_j``, the Jacobian of the PDE
+residual at the collocation points with respect to every parameter (Wang, Yu and Perdikaris,
+"When and why PINNs fail to train: a neural tangent kernel perspective", JCP 2022). Because
+``r`` involves ``B``, ``grad B`` and ``hess B``, the boundary function modulates every row of
+``J``: it filters the kernel's spectrum.
+
+Spectral measures: the **effective rank** ``exp(H(p))`` with ``p_k = lambda_k / sum lambda``
+(Roy and Vetterli, "The effective rank: a measure of effective dimensionality", EUSIPCO 2007),
+which is 1 for a rank-one kernel and n for the identity; and the **condition number**
+``lambda_max / lambda_min``.
+
+Everything runs in float64 on the CPU with ``torch.func``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacfwd, jacrev, vmap
+
+from tasks.hc_pinn.boundary import BoundarySpec, boundary_function
+from tasks.hc_pinn.problems import Problem
+
+Tensor = torch.Tensor
+Params = dict[str, Tensor]
+
+DEFAULT_WIDTH = 32
+DEFAULT_DEPTH = 2
+
+
+def make_network(dim: int, seed: int, width: int = DEFAULT_WIDTH, depth: int = DEFAULT_DEPTH
+                 ) -> nn.Module:
+    """A tanh MLP ``R^dim -> R`` with ``depth`` hidden layers of ``width``, float64, its
+    initialisation drawn from ``seed`` (PyTorch's default Linear init)."""
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        sizes = [dim] + [width] * depth
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        layers.append(nn.Linear(sizes[-1], 1))
+        return nn.Sequential(*layers).double()
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+class HCPinn:
+    """One problem, one boundary function and one network: the trial function and the PDE
+    residual as pure functions of ``(params, x)``."""
+
+    def __init__(self, problem: Problem, spec: BoundarySpec, network: nn.Module):
+        self.problem, self.spec, self.network = problem, spec, network
+        self.boundary: Callable[[Tensor], Tensor] = boundary_function(spec, problem)
+
+    def params(self) -> Params:
+        return {k: v.detach() for k, v in self.network.named_parameters()}
+
+    def trial(self, params: Params, x: Tensor) -> Tensor:
+        """``u~`` at one point ``x`` of shape ``(d,)``: a scalar."""
+        n = functional_call(self.network, params, (x.unsqueeze(0),)).reshape(())
+        return self.problem.lift(x) + self.boundary(x) * n
+
+    def residual_at(self, params: Params, x: Tensor) -> Tensor:
+        """The PDE residual at one point ``x`` of shape ``(d,)``: a scalar."""
+        grad = jacrev(self.trial, argnums=1)(params, x)
+        hess = jacfwd(jacrev(self.trial, argnums=1), argnums=1)(params, x)
+        return self.problem.residual(x, self.trial(params, x), grad, hess)
+
+    def residuals(self, params: Params, xs: Tensor) -> Tensor:
+        """The residual at every row of ``xs`` ``(n, d)``: shape ``(n,)``, differentiable in
+        ``params``. Batched reverse mode over the points (a few times faster than ``vmap`` of
+        :meth:`residual_at` for training); the same values to round-off."""
+        xs = xs.detach().requires_grad_(True)
+        u = self.predict(params, xs)
+        (grad,) = torch.autograd.grad(u.sum(), xs, create_graph=True)
+        hess = torch.stack([torch.autograd.grad(grad[:, i].sum(), xs, create_graph=True)[0]
+                            for i in range(xs.shape[1])], dim=1)
+        return self.problem.residual(xs, u, grad, hess)
+
+    def predict(self, params: Params, xs: Tensor) -> Tensor:
+        """``u~`` at every row of ``xs``: shape ``(n,)``."""
+        n = functional_call(self.network, params, (xs,)).squeeze(-1)
+        return self.problem.lift(xs) + self.boundary(xs) * n
+
+    def residual_jacobian(self, params: Params, xs: Tensor) -> Tensor:
+        """``J`` of shape ``(n, P)``: d residual_i / d theta, over all parameters in order."""
+        jac = vmap(jacrev(self.residual_at, argnums=0), in_dims=(None, 0))(params, xs)
+        return torch.cat([jac[k].reshape(xs.shape[0], -1) for k in params], dim=1)
+
+
+def residual_ntk(pinn: HCPinn, xs: Tensor, params: Params | None = None) -> Tensor:
+    """The residual kernel ``K = J J^T`` at the collocation points ``xs``: ``(n, n)``."""
+    jac = pinn.residual_jacobian(pinn.params() if params is None else params, xs)
+    return jac @ jac.T
+
+
+def eigenvalues(kernel: Tensor) -> Tensor:
+    """The eigenvalues of a symmetric PSD kernel, descending, round-off negatives set to 0."""
+    sym = 0.5 * (kernel + kernel.T)
+    return torch.linalg.eigvalsh(sym).flip(0).clamp_min(0.0)
+
+
+def effective_rank(values: Tensor) -> float:
+    """Roy and Vetterli's effective rank of the non-negative spectrum ``values``:
+    ``exp`` of the Shannon entropy of ``values / sum(values)``; 0 for an all-zero spectrum."""
+    total = float(values.sum())
+    if total <= 0.0:
+        return 0.0
+    p = values[values > 0] / total
+    return math.exp(float(-(p * p.log()).sum()))
+
+
+def condition_number(values: Tensor) -> float:
+    """``lambda_max / lambda_min``; ``inf`` when the smallest is 0 (singular in float64)."""
+    top, low = float(values.max()), float(values.min())
+    return math.inf if low <= 0.0 else top / low
+
+
+@dataclass(frozen=True)
+class Spectrum:
+    """What the environment reports of a kernel's eigenspectrum."""
+
+    n: int
+    effective_rank: float
+    condition_number: float
+    top_share: float       # lambda_1 / sum lambda
+    modes_90: int          # eigenvalues holding 90 % of the trace
+    trace: float
+
+    @property
+    def rank_ratio(self) -> float:
+        """Effective rank over n, in (0, 1]."""
+        return self.effective_rank / self.n
+
+    @property
+    def log10_condition(self) -> float:
+        return math.log10(self.condition_number) if math.isfinite(self.condition_number) \
+            else math.inf
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self) | {"rank_ratio": self.rank_ratio,
+                               "log10_condition": self.log10_condition}
+
+
+def spectrum_of(values: Tensor) -> Spectrum:
+    """The :class:`Spectrum` of a descending non-negative eigenvalue vector."""
+    total = float(values.sum())
+    share = values / total if total > 0 else values
+    modes_90 = int(torch.searchsorted(share.cumsum(0), torch.tensor(0.9, dtype=share.dtype))) + 1
+    return Spectrum(n=int(values.numel()), effective_rank=effective_rank(values),
+                    condition_number=condition_number(values),
+                    top_share=float(share[0]) if total > 0 else 0.0,
+                    modes_90=min(modes_90, int(values.numel())), trace=total)
+
+
+def analyse(problem: Problem, spec: BoundarySpec, seed: int, *, width: int = DEFAULT_WIDTH,
+            depth: int = DEFAULT_DEPTH, points_per_axis: int | None = None
+            ) -> tuple[Spectrum, Tensor]:
+    """Spectrum (and descending eigenvalues) of the residual kernel at initialisation, for the
+    network drawn from ``seed``."""
+    pinn = HCPinn(problem, spec, make_network(problem.dim, seed, width, depth))
+    values = eigenvalues(residual_ntk(pinn, problem.collocation(points_per_axis)))
+    return spectrum_of(values), values
