@@ -44,7 +44,7 @@ def make_network(dim: int, seed: int, width: int = DEFAULT_WIDTH, depth: int = D
         torch.manual_seed(seed)
         layers: list[nn.Module] = []
         sizes = [dim] + [width] * depth
-        for a, b in zip(sizes[:-1], sizes[1:]):
+        for a, b in zip(sizes[:-1], sizes[1:], strict=True):
             layers += [nn.Linear(a, b), nn.Tanh()]
         layers.append(nn.Linear(sizes[-1], 1))
         return nn.Sequential(*layers).double()
