@@ -51,7 +51,12 @@ PREFIX = "##"  # marks a piece that continues the previous one without a space
 # Printable ASCII plus tab and newline: with the continuation forms, any such text can be written.
 CHARACTERS = [chr(c) for c in range(0x20, 0x7F)] + ["\t", "\n"]
 # Whole words added from now on (a new environment's) go here, after the characters: no id moves.
-NEW_WORDS: list[str] = []
+# tasks.envs.hc_pinn's words (its VOCAB less the words above).
+HC_PINN_WORDS = (
+    "hc pinn problem propose boundary function family power families erank cond top modes best "
+    "common healthy collapsed poly sine dist rfun exp tanh poisson1d poisson2d heat1d"
+).split()
+NEW_WORDS: list[str] = [*HC_PINN_WORDS]
 # Longer runs of word characters are cut into pieces of this size before the (greedy, cubic in
 # the length) character fallback, so no word is too long to read.
 MAX_PIECE_CHARS = 64

@@ -8,14 +8,22 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer
 
-from tasks.envs import sokoban, tool_use, word_answer
+from tasks.envs import hc_pinn, sokoban, tool_use, word_answer
 from tasks.envs.frozenlake import FrozenLakeText
 from tasks.envs.guess_number import GuessNumber
 from tasks.envs.sokoban import Sokoban
 from tasks.envs.tool_use import ToolUse
 from tasks.envs.word_answer import WordAnswer
 from tasks.policy import encode_first_turn
-from tasks.tiny_tokenizer import CHARACTERS, NUMBERS, SPECIAL_TOKENS, WORDS, build_tokenizer, spell
+from tasks.tiny_tokenizer import (
+    CHARACTERS,
+    NEW_WORDS,
+    NUMBERS,
+    SPECIAL_TOKENS,
+    WORDS,
+    build_tokenizer,
+    spell,
+)
 
 ASCII = [chr(c) for c in range(0x20, 0x7F)] + ["\t", "\n"]
 
@@ -47,11 +55,13 @@ def test_earlier_ids_are_unchanged_and_new_tokens_come_after(tok):
     assert len(old) == 181 and by_id[:181] == list(old)
     assert [vocab[w] for w in ("<pad>", "<|end|>", "you", "?", "0", "32", "what", "sokoban", "bad")] \
         == [0, 5, 6, 72, 73, 105, 106, 142, 180]
-    assert by_id[181:] == [c for c in CHARACTERS if c not in old] + ["##" + c for c in CHARACTERS]
+    chars = [c for c in CHARACTERS if c not in old] + ["##" + c for c in CHARACTERS]
+    assert by_id[181:181 + len(chars)] == chars
+    assert by_id[181 + len(chars):] == [w for w in NEW_WORDS if w not in old]
     assert len(tok) == len(vocab) and tok.eos_token == "<|end|>" and tok.pad_token_id == 0
 
 
-@pytest.mark.parametrize("module", [word_answer, sokoban, tool_use])
+@pytest.mark.parametrize("module", [word_answer, sokoban, tool_use, hc_pinn])
 def test_every_environment_word_is_a_whole_word_token(tok, module):
     vocab = tok.get_vocab()
     words = [*module.VOCAB, *getattr(module, "PUNCTUATION", ())]
