@@ -6,7 +6,9 @@ template that deploys both reward functions.
 ``resources/lambda/template.yaml``) and zips that directory into ``OUT/rule-reward.zip``,
 byte-for-byte reproducibly. Powertools and pydantic come from the public Powertools layer unless
 ``--with-deps`` pip-installs them into the directory (that needs PyPI). The model-based function
-is a container image; the command only prints how to build it and how to deploy.
+and the HC-PINN
+verification function are container images; the command only prints how to build them and how
+to deploy.
 
 :func:`load_sam_template` parses the template despite its CloudFormation short tags (``!Ref``,
 ``!Sub``, ...), :func:`function_specs` gives each function's handler, limits and environment
@@ -39,7 +41,9 @@ DEFAULT_OUT = PROJECT_ROOT / "build" / "lambda"
 _TEMPLATE_REL = DEFAULT_TEMPLATE.resolve().relative_to(PROJECT_ROOT).as_posix()
 RULE_DIR_NAME = "rule"
 RULE_ZIP_NAME = "rule-reward.zip"
-IMAGE_NAME = "rollarc-reward-model"
+# The container-image functions: image name -> Dockerfile (resources/lambda/template.yaml).
+IMAGES: dict[str, str] = {"rollarc-reward-model": "resources/lambda/Dockerfile.model",
+                          "rollarc-reward-pinn": "resources/lambda/Dockerfile.pinn"}
 
 # What the rule-based function imports, relative to PROJECT_ROOT: the handler and the pure
 # core it wraps, the rule-based rewards and the parsers they replay answers with.
@@ -56,6 +60,8 @@ RULE_FUNCTION_FILES: tuple[str, ...] = (
     "tasks/envs/guess_number.py",
     "tasks/envs/sokoban.py",
     "tasks/envs/tool_use.py",
+    "tasks/hc_pinn/__init__.py",
+    "tasks/hc_pinn/grammar.py",
 )
 
 # Installed by --with-deps; otherwise the Powertools layer provides them.
@@ -383,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: the template's CodeUri reads {_display(DEFAULT_OUT / RULE_DIR_NAME)}, "
               "not this --out")
     print("\nnext, from the project root:")
-    print(f"  docker build -f resources/lambda/Dockerfile.model -t {IMAGE_NAME} .")
+    for image, dockerfile in IMAGES.items():
+        print(f"  docker build -f {dockerfile} -t {image} .")
     print(f"  sam deploy --guided --template-file {_TEMPLATE_REL}")
     return 0
 

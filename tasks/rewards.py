@@ -15,6 +15,7 @@ from typing import Any
 from tasks.envs.frozenlake import ACTIONS, parse_action
 from tasks.envs.guess_number import parse_guess
 from tasks.envs.tool_use import verify as _verify_tool_use
+from tasks.hc_pinn.grammar import parse_spec
 
 Item = dict[str, Any]
 RewardOutput = tuple[float, dict[str, Any]]
@@ -106,3 +107,27 @@ def sokoban_verifier(item: Item) -> RewardOutput:
             break
     return score, {"success": success, "format_errors": format_errors,
                    "agrees_with_env": success == bool(info.get("success", False))}
+
+
+def hc_pinn_spectral(item: Item) -> RewardOutput:
+    """The hc_pinn environment's cheap spectral score of the agent's last valid proposal (its
+    effective rank over the best commonly used boundary function's, at most 1), minus the
+    format penalty per reply that named no boundary function. The proposals are re-parsed from
+    the replies and must match the ones the environment scored (``info.proposals``); the
+    spectrum itself is the environment's, as recomputing it needs torch. Training the proposal
+    instead is :func:`tasks.hc_pinn.verify.hc_pinn_convergence`."""
+    info = item["info"]
+    penalty = float(info.get("format_penalty", 0.0))
+    specs = [parse_spec(text) for text in item["responses"]]
+    valid = [str(s) for s in specs if s is not None]
+    proposals = info.get("proposals") or []
+    if valid != [p["spec"] for p in proposals]:
+        raise ValueError(f"the replies propose {valid}, the environment scored "
+                         f"{[p['spec'] for p in proposals]}")
+    format_errors = len(specs) - len(valid)
+    score = float(proposals[-1]["score"]) if proposals else 0.0
+    success = bool(proposals) and score >= 1.0 - float(info.get("tolerance", 0.0))
+    return score - penalty * format_errors, {
+        "success": success, "format_errors": format_errors,
+        "spec": valid[-1] if valid else None,
+        "agrees_with_env": success == bool(info.get("success", False))}

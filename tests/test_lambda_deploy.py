@@ -7,6 +7,7 @@ being complete nor on the network.
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -101,6 +102,9 @@ def test_template_parses_with_its_tags(template):
     assert model["Properties"]["ReservedConcurrentExecutions"] == {
         "Ref": "ModelReservedConcurrency"}
     assert model["Metadata"]["DockerContext"] == "../.."
+    pinn = template["Resources"]["PinnRewardFunction"]
+    assert pinn["Properties"]["ReservedConcurrentExecutions"] == {
+        "Ref": "PinnReservedConcurrency"}
 
     outputs = template["Outputs"]
     assert outputs["RuleRewardFunctionName"]["Value"] == {"Ref": "RuleRewardFunction"}
@@ -114,15 +118,16 @@ def test_template_paths_point_at_the_build_output_and_the_project_root(template)
     here = DEFAULT_TEMPLATE.resolve().parent
     rule = template["Resources"]["RuleRewardFunction"]["Properties"]
     assert (here / rule["CodeUri"]).resolve() == (DEFAULT_OUT / RULE_DIR_NAME).resolve()
-    meta = template["Resources"]["ModelRewardFunction"]["Metadata"]
-    context = (here / meta["DockerContext"]).resolve()
-    assert context == PROJECT_ROOT
-    assert (context / meta["Dockerfile"]).is_file()
+    for function in ("ModelRewardFunction", "PinnRewardFunction"):
+        meta = template["Resources"][function]["Metadata"]
+        context = (here / meta["DockerContext"]).resolve()
+        assert context == PROJECT_ROOT
+        assert (context / meta["Dockerfile"]).is_file()
 
 
 def test_function_specs_merge_globals(template):
     specs = function_specs(template)
-    assert set(specs) == {"rollarc-reward", "rollarc-reward-model"}
+    assert set(specs) == {"rollarc-reward", "rollarc-reward-model", "rollarc-reward-pinn"}
 
     rule = specs["rollarc-reward"]
     assert rule["handler"] == HANDLER
@@ -155,6 +160,9 @@ def test_function_specs_merge_globals(template):
         "ROLLARC_PRELOAD_REWARD_MODEL": "1",
         "HF_HUB_OFFLINE": "1",
     }
+    pinn = specs["rollarc-reward-pinn"]
+    assert (pinn["package_type"], pinn["runtime"], pinn["timeout_s"]) == ("Image", None, 120.0)
+    assert pinn["environment"]["ROLLARC_REWARD_MODULES"] == "tasks.rewards,tasks.hc_pinn.verify"
     assert all(isinstance(v, str) for s in specs.values() for v in s["environment"].values())
 
 
@@ -191,16 +199,24 @@ Resources:
     assert specs["tuned"]["runtime"] is None
 
 
-def test_dockerfile_matches_the_template(template):
-    dockerfile = (PROJECT_ROOT / "resources/lambda/Dockerfile.model").read_text()
+@pytest.mark.parametrize(("function", "extra"), [
+    ("ModelRewardFunction", ("tasks/reward_models.py",)),
+    ("PinnRewardFunction", ("tasks/hc_pinn/verify.py", "tasks/hc_pinn/training.py",
+                            "tasks/hc_pinn/ntk.py", "tasks/hc_pinn/problems.py",
+                            "tasks/hc_pinn/boundary.py")),
+])
+def test_dockerfile_matches_the_template(template, function, extra):
+    resource = template["Resources"][function]
+    dockerfile = (PROJECT_ROOT / resource["Metadata"]["Dockerfile"]).read_text()
     assert "FROM public.ecr.aws/lambda/python:3.12" in dockerfile
     assert "--index-url https://download.pytorch.org/whl/cpu" in dockerfile
     assert f'CMD ["{HANDLER}"]' in dockerfile
-    command = template["Resources"]["ModelRewardFunction"]["Properties"]["ImageConfig"]["Command"]
-    assert command == [HANDLER]
-    # the image holds what the zip holds, plus the model-based rewards
-    for rel in (*RULE_FUNCTION_FILES, "tasks/reward_models.py"):
-        assert rel in dockerfile or rel.startswith("tasks/envs/"), rel
+    assert resource["Properties"]["ImageConfig"]["Command"] == [HANDLER]
+    # the image holds what the zip holds, plus its own rewards: each file named, or its
+    # directory copied whole
+    copied_dirs = re.findall(r"COPY (tasks/[\w/]+/) ", dockerfile)
+    for rel in (*RULE_FUNCTION_FILES, *extra):
+        assert rel in dockerfile or any(rel.startswith(d) for d in copied_dirs), rel
     assert "COPY tasks/envs/ " in dockerfile
 
 
@@ -311,6 +327,7 @@ def test_main_builds_and_prints_sizes_and_next_steps(tmp_path, monkeypatch, caps
     printed = capsys.readouterr().out
     assert "function zip:" in printed and "bytes" in printed
     assert "docker build -f resources/lambda/Dockerfile.model -t rollarc-reward-model ." in printed
+    assert "docker build -f resources/lambda/Dockerfile.pinn -t rollarc-reward-pinn ." in printed
     assert "sam deploy --guided --template-file resources/lambda/template.yaml" in printed
     assert (tmp_path / "out" / RULE_ZIP_NAME).is_file()
 
