@@ -12,6 +12,15 @@ Spectral measures: the **effective rank** ``exp(H(p))`` with ``p_k = lambda_k / 
 which is 1 for a rank-one kernel and n for the identity; and the **condition number**
 ``lambda_max / lambda_min``.
 
+The spectrum is taken from the singular values of ``J`` (``lambda_k = sigma_k^2``), not from
+``eigvalsh(J J^T)``: forming ``K`` squares the spread, so ``eigvalsh`` resolves eigenvalues only
+down to about ``eps lambda_max`` and returns round-off (clamped to 0) below, where the SVD of
+``J`` (``n`` points by ``P`` parameters) resolves them down to about ``(max(n, P) eps)^2
+lambda_max`` (:func:`roundoff_floor`). At these sizes even that floor is reached: the kernel is
+numerically singular, and its condition number is at float64's limit
+(:attr:`Spectrum.condition_at_limit`): its computed value is round-off, the true one is at least
+``lambda_max / floor``.
+
 Everything runs in float64 on the CPU with ``torch.func``.
 """
 
@@ -102,6 +111,24 @@ def residual_ntk(pinn: HCPinn, xs: Tensor, params: Params | None = None) -> Tens
     return jac @ jac.T
 
 
+def jacobian_spectrum(pinn: HCPinn, xs: Tensor, params: Params | None = None) -> Tensor:
+    """The eigenvalues of the residual kernel ``K = J J^T`` at ``xs``, descending, as the
+    squared singular values of ``J``, shape ``(n,)`` (exact zeros beyond ``P``, the number of
+    parameters). See the module docstring for why not :func:`eigenvalues` of
+    :func:`residual_ntk`."""
+    jac = pinn.residual_jacobian(pinn.params() if params is None else params, xs)
+    values = torch.linalg.svdvals(jac).square()
+    return torch.cat([values, values.new_zeros(jac.shape[0] - values.numel())])
+
+
+def roundoff_floor(values: Tensor, shape: tuple[int, int]) -> float:
+    """The smallest eigenvalue that :func:`jacobian_spectrum` of an ``(n, P)`` Jacobian
+    resolves: ``(max(n, P) eps sigma_max)^2``, the square of the default tolerance of
+    ``numpy.linalg.matrix_rank``. Eigenvalues at or below it are round-off."""
+    eps = torch.finfo(values.dtype).eps
+    return float(values.max()) * (max(shape) * eps) ** 2
+
+
 def eigenvalues(kernel: Tensor) -> Tensor:
     """The eigenvalues of a symmetric PSD kernel, descending, round-off negatives set to 0."""
     sym = 0.5 * (kernel + kernel.T)
@@ -134,6 +161,9 @@ class Spectrum:
     top_share: float       # lambda_1 / sum lambda
     modes_90: int          # eigenvalues holding 90 % of the trace
     trace: float
+    numerical_rank: int    # eigenvalues above the round-off floor
+    condition_at_limit: bool  # lambda_min is at the round-off floor: the condition number
+    #                           is round-off, the true one at least lambda_max / floor
 
     @property
     def rank_ratio(self) -> float:
@@ -150,22 +180,27 @@ class Spectrum:
                                "log10_condition": self.log10_condition}
 
 
-def spectrum_of(values: Tensor) -> Spectrum:
-    """The :class:`Spectrum` of a descending non-negative eigenvalue vector."""
+def spectrum_of(values: Tensor, floor: float = 0.0) -> Spectrum:
+    """The :class:`Spectrum` of a descending non-negative eigenvalue vector; eigenvalues at or
+    below ``floor`` are round-off (:func:`roundoff_floor`)."""
     total = float(values.sum())
     share = values / total if total > 0 else values
     modes_90 = int(torch.searchsorted(share.cumsum(0), torch.tensor(0.9, dtype=share.dtype))) + 1
     return Spectrum(n=int(values.numel()), effective_rank=effective_rank(values),
                     condition_number=condition_number(values),
                     top_share=float(share[0]) if total > 0 else 0.0,
-                    modes_90=min(modes_90, int(values.numel())), trace=total)
+                    modes_90=min(modes_90, int(values.numel())), trace=total,
+                    numerical_rank=int((values > floor).sum()),
+                    condition_at_limit=bool(float(values.min()) <= floor))
 
 
 def analyse(problem: Problem, spec: BoundarySpec, seed: int, *, width: int = DEFAULT_WIDTH,
             depth: int = DEFAULT_DEPTH, points_per_axis: int | None = None
             ) -> tuple[Spectrum, Tensor]:
-    """Spectrum (and descending eigenvalues) of the residual kernel at initialisation, for the
-    network drawn from ``seed``."""
+    """Spectrum (and descending eigenvalues, :func:`jacobian_spectrum`) of the residual kernel
+    at initialisation, for the network drawn from ``seed``."""
     pinn = HCPinn(problem, spec, make_network(problem.dim, seed, width, depth))
-    values = eigenvalues(residual_ntk(pinn, problem.collocation(points_per_axis)))
-    return spectrum_of(values), values
+    xs = problem.collocation(points_per_axis)
+    values = jacobian_spectrum(pinn, xs)
+    n_params = sum(p.numel() for p in pinn.network.parameters())
+    return spectrum_of(values, roundoff_floor(values, (xs.shape[0], n_params))), values
