@@ -13,9 +13,9 @@ answered rather than raised. Scoring is a pure function of the event: re-running
 re-send, an async retry) is harmless, and the caller applies each idempotency key's reward once.
 
 ``reward_fn`` is resolved only inside the modules listed in ``ROLLARC_REWARD_MODULES`` (default
-``tasks.rewards,tasks.reward_models``): an event must not be able to call arbitrary code. A caller
-may also pass reward callables by name (the in-process ``local`` backend does), which are looked
-up first.
+``tasks.rewards,tasks.reward_models,tasks.hc_pinn.verify``): an event must not be able to call
+arbitrary code. A caller may also pass reward callables by name (the in-process ``local``
+backend does), which are looked up first.
 
 This module depends on pydantic only, so the client side and the config check import it without
 the Lambda tooling; the Lambda entry point (powertools logging and metrics) is
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tasks.components import resolve
 
 SCHEMA_VERSION = 1
-DEFAULT_REWARD_MODULES = "tasks.rewards,tasks.reward_models"
+DEFAULT_REWARD_MODULES = "tasks.rewards,tasks.reward_models,tasks.hc_pinn.verify"
 
 RewardFn = Callable[[dict[str, Any]], tuple[float, dict[str, Any]]]
 

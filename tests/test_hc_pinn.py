@@ -6,6 +6,7 @@ the environment, and the verification function through the Lambda emulation with
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -196,3 +197,30 @@ def test_verification_runs_on_its_own_lambda_function_through_the_emulation():
         refused = LambdaRewardClient("rollarc-reward", endpoint_url=em.url,
                                      dummy_credentials=True, concurrency=1).score(reqs[:1])
         assert "allowed modules" in refused.results[0].error
+
+
+def test_environments_on_threads_of_one_process_compute_kernels_safely():
+    """An env worker steps many environments on threads of one process, and torch.func's
+    forward-mode state is process-wide: kernels computed at once must not corrupt each other."""
+    errors: list[str] = []
+    spectra: dict[int, list[float]] = {}
+
+    def episode(i):
+        try:
+            env = HCPinnDesign(problems=["poisson1d", "heat1d"], init_seeds=1)
+            env.reset(seed=i)
+            spectra[i] = [env.step(a)[4]["proposals"][-1]["effective_rank"]
+                          for a in ("sine 2", "exp 4")]
+        except Exception as exc:  # collected: an exception in a thread would pass unseen
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=episode, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(spectra) == 12
+    alone = HCPinnDesign(problems=["poisson1d", "heat1d"], init_seeds=1)
+    alone.reset(seed=0)
+    assert alone.step("sine 2")[4]["proposals"][-1]["effective_rank"] == pytest.approx(
+        spectra[0][0], rel=1e-9)

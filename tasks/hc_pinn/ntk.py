@@ -27,6 +27,7 @@ Everything runs in float64 on the CPU with ``torch.func``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -39,6 +40,8 @@ from tasks.hc_pinn.problems import Problem
 
 Tensor = torch.Tensor
 Params = dict[str, Tensor]
+
+_TRANSFORMS = threading.Lock()
 
 DEFAULT_WIDTH = 32
 DEFAULT_DEPTH = 2
@@ -101,7 +104,10 @@ class HCPinn:
 
     def residual_jacobian(self, params: Params, xs: Tensor) -> Tensor:
         """``J`` of shape ``(n, P)``: d residual_i / d theta, over all parameters in order."""
-        jac = vmap(jacrev(self.residual_at, argnums=0), in_dims=(None, 0))(params, xs)
+        # One thread at a time: torch.func's forward-mode levels are process-wide state, and an
+        # environment worker steps many environments on threads of one process.
+        with _TRANSFORMS:
+            jac = vmap(jacrev(self.residual_at, argnums=0), in_dims=(None, 0))(params, xs)
         return torch.cat([jac[k].reshape(xs.shape[0], -1) for k in params], dim=1)
 
 
