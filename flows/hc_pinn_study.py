@@ -59,6 +59,7 @@ from pathlib import Path
 from rich.console import Console
 
 from flows.bench_report import markdown_table
+from resources.pools import Tag, tags_of
 from tasks.hc_pinn.boundary import COMMON, BoundarySpec
 from tasks.hc_pinn.ntk import analyse
 from tasks.hc_pinn.problems import PROBLEMS, get_problem
@@ -210,7 +211,10 @@ def run_on_dask(client, cases: Sequence[StudyCase], job: Job = run_case) -> list
     raised, its workers died, the cluster went away) recorded with its reason."""
     from distributed import as_completed
 
-    futures = client.map(job, cases, key=[job_key(c) for c in cases])
+    # CPU work of the environment kind: one CPU_ENV slot each, as on a RollArc cluster's env
+    # workers (the local cluster below advertises one slot per single-threaded worker)
+    futures = client.map(job, cases, key=[job_key(c) for c in cases],
+                         resources={Tag.CPU_ENV.value: 1})
     case_of = {f.key: c for f, c in zip(futures, cases, strict=True)}
     done: dict[StudyCase, StudyRun] = {}
     try:
@@ -230,8 +234,9 @@ def run_on_dask(client, cases: Sequence[StudyCase], job: Job = run_case) -> list
     return [done[c] for c in cases]
 
 
-class SchedulerUnreachable(RuntimeError):
-    """``--scheduler`` names no scheduler this process can connect to."""
+class SchedulerUnusable(RuntimeError):
+    """``--scheduler`` names no scheduler this process can connect to, or one without a
+    worker for the study's jobs."""
 
 
 def run_jobs(cases: Sequence[StudyCase], workers: int, scheduler: str | None) -> list[StudyRun]:
@@ -248,12 +253,19 @@ def run_jobs(cases: Sequence[StudyCase], workers: int, scheduler: str | None) ->
         try:
             client = Client(scheduler, timeout=CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError, ValueError) as exc:
-            raise SchedulerUnreachable(f"cannot connect to {scheduler!r}: {_reason(exc)}") \
+            raise SchedulerUnusable(f"cannot connect to {scheduler!r}: {_reason(exc)}") \
                 from None
         with client:
+            workers = client.scheduler_info()["workers"].values()
+            if not any(tags_of(w.get("resources")).get(Tag.CPU_ENV.value) for w in workers):
+                raise SchedulerUnusable(
+                    f"{scheduler!r} has no worker with the {Tag.CPU_ENV.value} resource, which "
+                    f"the study's jobs ask for (dask worker ... --resources "
+                    f"{Tag.CPU_ENV.value}=N)")
             return run_on_dask(client, cases)
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+                      dashboard_address=":0", resources={Tag.CPU_ENV.value: 1}) as cluster, \
+            Client(cluster) as client:
         logger.info("local cluster: %d workers, dashboard %s", workers, client.dashboard_link)
         return run_on_dask(client, cases)
 
@@ -438,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("%d runs", len(cases))
     try:
         runs = run_jobs(cases, args.workers, args.scheduler)
-    except SchedulerUnreachable as exc:
+    except SchedulerUnusable as exc:
         print(f"hc_pinn_study.py: error: argument --scheduler: {exc}", file=sys.stderr)
         return 2
     summaries = summarise(runs, args.collapse_loss)

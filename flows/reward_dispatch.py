@@ -44,7 +44,16 @@ class RewardStats:
         self.deduplicated += batch.deduplicated
 
     def summary(self) -> dict:
-        c = self.calls
+        """Totals over every call, and the same per Lambda function (``per_function``)."""
+        by_function: dict[str, list[InvocationRecord]] = {}
+        for r in self.calls:
+            by_function.setdefault(r.function, []).append(r)
+        return self._totals(self.calls) | {
+            "deduplicated": self.deduplicated,
+            "per_function": {f: self._totals(rs) for f, rs in sorted(by_function.items())}}
+
+    @staticmethod
+    def _totals(c: list[InvocationRecord]) -> dict:
         reached = [r for r in c if r.status in ("ok", "function_error", "bad_event")]
         lat = [r.latency_s * 1000 for r in c]
         init = [r.init_ms for r in c if r.init_ms is not None]
@@ -61,7 +70,6 @@ class RewardStats:
             "cold_starts": len(init),
             "init_ms_mean": float(np.mean(init)) if init else 0.0,
             "statuses": dict(Counter(r.status for r in c)),
-            "deduplicated": self.deduplicated,
         }
 
 

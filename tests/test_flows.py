@@ -366,3 +366,22 @@ def test_resume_without_a_checkpoint_is_a_config_error(tmp_path):
                               timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.long
+def test_science_mix_trains_hc_pinn_and_verifies_it_on_its_own_lambda_function(tmp_path):
+    """config/mix_science.yaml as a user runs it, hc_pinn weighted up so that every step holds
+    its groups: kernels computed on the env worker, proposals trained on rollarc-reward-pinn."""
+    run = tmp_path / "run"
+    _train(["--config", str(ROOT / "config" / "mix_science.yaml"), *SHORT,
+            "trainer.groups_per_step=3", "env_tasks.2.weight=20", "eval.every_steps=0"], run)
+    rows = read_metrics(run)
+    assert any(m.get("env/hc_pinn/trajectories", 0) > 0 for m in rows)
+    summary = json.loads((run / "summary.json").read_text())
+    _check_accounting(summary)
+    per_function = summary["reward"]["per_function"]
+    assert per_function["rollarc-reward-pinn"]["trajectories_sent"] > 0
+    assert per_function["rollarc-reward-pinn"]["statuses"] == {
+        "ok": per_function["rollarc-reward-pinn"]["invocations"]}
+    assert summary["reward"]["lost"] == {}
+    assert set(summary["tasks_per_stage_per_pool"]["env_step"]) == {"env"}

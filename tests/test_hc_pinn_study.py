@@ -115,7 +115,12 @@ def test_the_study_runs_on_a_running_scheduler(tmp_path):
     from distributed import LocalCluster
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=":0") as cluster:
+                      dashboard_address=":0") as bare:
+        # jobs ask for CPU_ENV: a cluster without it is refused, not waited on forever
+        assert hc_pinn_study.main(["--scheduler", bare.scheduler_address,
+                                   "--out", str(tmp_path)]) == 2
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0", resources={"CPU_ENV": 1}) as cluster:
         assert hc_pinn_study.main(["--scheduler", cluster.scheduler_address, "--problems",
                                    "heat1d", "--specs", "tanh 4", "--seeds", "3", "--steps", "20",
                                    "--out", str(tmp_path)]) == 0
@@ -190,7 +195,8 @@ def test_a_failing_job_is_recorded_on_dask():
     from distributed import Client, LocalCluster
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+                      dashboard_address=":0", resources={"CPU_ENV": 1}) as cluster, \
+            Client(cluster) as client:
         _check_failure_recorded(hc_pinn_study.run_on_dask(client, CASES, job=fake_job))
 
 
