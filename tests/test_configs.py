@@ -12,11 +12,15 @@ import pytest
 from flows import simulate
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
 from flows.launch import start_reward_service
+from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.components import accepts, describe, instantiate, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 # config/deploy/ holds deployment specs (Kubernetes, SLURM), not training configs.
 CONFIGS = sorted(p for p in (ROOT / "config").rglob("*.yaml") if p.parent.name != "deploy")
+
+
+FUNCTIONS = function_specs(load_sam_template(DEFAULT_TEMPLATE))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -31,7 +35,9 @@ def test_config_loads_and_components_resolve(path):
         obs, info = env.reset(seed=1)
         assert isinstance(obs, str) and obs
         assert callable(resolve(task.reward_fn))
-        assert task.reward_fn.startswith(("tasks.rewards.", "tasks.reward_models."))
+        # the Lambda function the env task names may run its reward (the template's allow-list)
+        allowed = FUNCTIONS[cfg.reward.function_of(task)]["environment"]["ROLLARC_REWARD_MODULES"]
+        assert task.reward_fn.rpartition(".")[0] in allowed.split(","), task.name
     for spec in (cfg.engine.backend, cfg.trainer.backend, cfg.trainer.loss):
         assert callable(resolve(spec["_component_"]))
     assert cfg.effective_pools()

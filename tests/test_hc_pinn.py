@@ -30,6 +30,7 @@ from tasks.hc_pinn.training import train
 from tasks.hc_pinn.verify import SUCCESS_LOSS, hc_pinn_convergence
 from tasks.records import ScoreRequest
 from tasks.rewards import hc_pinn_spectral
+from tests.episodes import play
 
 PROBLEM_NAMES = sorted(PROBLEMS)
 
@@ -118,16 +119,9 @@ def test_a_collapsing_boundary_function_stagnates_where_a_healthy_one_converges(
     assert healthy.loss_curve[0] == pytest.approx(collapsed.loss_curve[0], rel=0.5)
 
 
-def _episode(env, seed, actions):
-    obs, info = env.reset(seed=seed)
-    responses, rewards = [], []
-    for action in actions:
-        obs, reward, terminated, truncated, info = env.step(action)
-        responses.append(action)
-        rewards.append(reward)
-        if terminated or truncated:
-            break
-    return responses, rewards, info, terminated
+def _episode(env, seed, actions) -> dict:
+    env.reset(seed=seed)
+    return play(env, actions)
 
 
 def test_environment_scores_proposals_against_the_best_common_form():
@@ -135,22 +129,22 @@ def test_environment_scores_proposals_against_the_best_common_form():
     obs, info = env.reset(seed=0)
     best, rank = reference("poisson1d", 0)
     assert "poisson1d" in obs and best in obs and info["problem"] == "poisson1d"
-    responses, rewards, info, done = _episode(env, 0, ["nonsense", "sine 4", "poly 1"])
-    assert rewards[0] == pytest.approx(-0.1) and rewards[1] == 0.0 and rewards[2] == 1.0 and done
+    item = _episode(env, 0, ["nonsense", "sine 4", "poly 1"])
+    rewards, info = item["env_rewards"], item["info"]
+    assert rewards == [pytest.approx(-0.1), 0.0, 1.0]
     assert [p["spec"] for p in info["proposals"]] == ["sine 4", "poly 1"]
     assert info["proposals"][0]["effective_rank"] < 0.85 * rank <= info["proposals"][1][
         "effective_rank"] / 0.85
     assert info["format_errors"] == 1 and info["success"] and info["spec"] == "poly 1"
     # the rule-based reward re-parses the replies and reads the environment's spectrum
-    item = {"responses": responses, "env_rewards": rewards, "info": info}
     score, details = hc_pinn_spectral(item)
     assert details["success"] and details["agrees_with_env"] and details["spec"] == "poly 1"
     assert score == pytest.approx(info["proposals"][-1]["score"] - 0.1)
     with pytest.raises(ValueError, match="environment scored"):
         hc_pinn_spectral(item | {"responses": ["nonsense", "sine 4", "poly 2"]})
     # a spent episode without success
-    _, _, info, done = _episode(env, 1, ["sine 4", "sine 4", "poly 4"])
-    assert not done and not info["success"] and info["turns"] == 3
+    info = _episode(env, 1, ["sine 4", "sine 4", "poly 4"])["info"]
+    assert not info["success"] and info["turns"] == 3
 
 
 def test_environment_rejects_bad_arguments():
@@ -182,10 +176,11 @@ def test_verification_runs_on_its_own_lambda_function_through_the_emulation():
     env = HCPinnDesign(problems=["poisson1d"], init_seeds=1)
     reqs = []
     for i, actions in enumerate((["poly 1"], ["sine 4", "sine 4", "sine 4"])):
-        responses, rewards, info, _ = _episode(env, i, actions)
+        item = _episode(env, i, actions)
         reqs.append(ScoreRequest(id=str(i), idempotency_key=f"pinn/{i}", env_name="hc_pinn",
                                  reward_fn="tasks.hc_pinn.verify.hc_pinn_convergence",
-                                 env_rewards=rewards, responses=responses, info=info))
+                                 env_rewards=item["env_rewards"], responses=item["responses"],
+                                 info=item["info"]))
     with LambdaEmulator([pinn, rule], concurrency=1) as em:
         client = LambdaRewardClient("rollarc-reward-pinn", endpoint_url=em.url,
                                     dummy_credentials=True, concurrency=1, min_batch=2)
