@@ -36,7 +36,8 @@ computing it would get.
 Writes to ``--out`` (default ``runs/hc_pinn_study``): ``results.json`` (the resolved config,
 every run, failed ones with the reason, the summaries, correlations and verdict; non-finite
 numbers as null), ``results.csv`` (every run), ``summary.md`` (the tables printed) and
-``hc_pinn_study.png``.
+``hc_pinn_study.png``. Exit status 0; 1 when a run failed (its reason is printed and saved; the
+tables cover the others); 2 for bad arguments or an unusable ``--scheduler``.
 """
 
 from __future__ import annotations
@@ -477,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     draw(runs, corrs, summaries, args.out / "hc_pinn_study.png", args)
     console.print(f"wrote {args.out}/results.json, results.csv, summary.md, hc_pinn_study.png",
                   markup=False, highlight=False)
-    return 0
+    # the tables cover the runs that finished; a study with failed runs is incomplete
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -190,6 +190,17 @@ def test_a_failing_job_is_recorded_in_process():
     _check_failure_recorded(hc_pinn_study.run_in_process(CASES, job=fake_job))
 
 
+def test_a_study_with_a_failed_run_reports_it_and_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(hc_pinn_study, "run_jobs", lambda cases, workers, scheduler:
+                        hc_pinn_study.run_in_process(cases, job=fake_job))
+    assert hc_pinn_study.main(["--problems", "poisson1d", "--specs", "poly 1", "sine 4",
+                               "rfun 1", "--seeds", "0", "--steps", "10", "--workers", "0",
+                               "--out", str(tmp_path)]) == 1
+    assert "FAILED poisson1d sine 4 seed 0" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["failure"] is None for r in runs] == [True, False, True]
+
+
 @pytest.mark.integration
 def test_a_failing_job_is_recorded_on_dask():
     from distributed import Client, LocalCluster
