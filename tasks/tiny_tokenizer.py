@@ -13,6 +13,7 @@ environment; tests check that each environment's ``VOCAB`` stays covered.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -50,13 +51,16 @@ ENV_WORDS = [*WORD_ANSWER_WORDS, *SOKOBAN_WORDS, *TOOL_USE_WORDS]
 PREFIX = "##"  # marks a piece that continues the previous one without a space
 # Printable ASCII plus tab and newline: with the continuation forms, any such text can be written.
 CHARACTERS = [chr(c) for c in range(0x20, 0x7F)] + ["\t", "\n"]
-# Whole words added from now on (a new environment's) go here, after the characters: no id moves.
-# tasks.envs.hc_pinn's words (its VOCAB less the words above).
-HC_PINN_WORDS = (
-    "hc pinn problem propose boundary function family power families erank cond top modes best "
-    "common healthy collapsed poly sine dist rfun exp tanh poisson1d poisson2d heat1d"
-).split()
-NEW_WORDS: list[str] = [*HC_PINN_WORDS]
+# Whole words added from now on (a new environment's) go in a word set, after the characters: no
+# id moves. A set is opt-in (policy.word_sets), so adding one leaves every other config's
+# vocabulary, and with it its tiny policy's initialisation and sampling, exactly as it was.
+WORD_SETS: dict[str, tuple[str, ...]] = {
+    # tasks.envs.hc_pinn's words (its VOCAB less the words above)
+    "hc_pinn": tuple((
+        "hc pinn problem propose boundary function family power families erank cond top modes "
+        "best common healthy collapsed poly sine dist rfun exp tanh poisson1d poisson2d heat1d"
+    ).split()),
+}
 # Longer runs of word characters are cut into pieces of this size before the (greedy, cubic in
 # the length) character fallback, so no word is too long to read.
 MAX_PIECE_CHARS = 64
@@ -68,19 +72,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def vocabulary() -> dict[str, int]:
+def check_word_sets(word_sets: Sequence[str]) -> None:
+    """Raises ValueError naming any word set that :data:`WORD_SETS` lacks."""
+    unknown = [w for w in word_sets if w not in WORD_SETS]
+    if unknown:
+        raise ValueError(f"unknown word sets {unknown}; known: {sorted(WORD_SETS)}")
+
+
+def vocabulary(word_sets: Sequence[str] = ()) -> dict[str, int]:
     """Token -> id in the order the tokens were introduced, so every id stays as it was: the
-    word-level vocabulary, the characters, their continuation forms, then later words."""
+    word-level vocabulary, the characters, their continuation forms, then the words of
+    ``word_sets`` (names in :data:`WORD_SETS`), in the order given."""
+    check_word_sets(word_sets)
     vocab: dict[str, int] = {}
     for tok in (SPECIAL_TOKENS + WORDS + NUMBERS + ENV_WORDS + CHARACTERS
-                + [PREFIX + c for c in CHARACTERS] + NEW_WORDS):
+                + [PREFIX + c for c in CHARACTERS]
+                + [w for name in word_sets for w in WORD_SETS[name]]):
         vocab.setdefault(tok, len(vocab))
     return vocab
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The shipped tokenizer (see module docstring) with a compact chat template."""
-    tok = Tokenizer(models.WordPiece(vocab=vocabulary(), unk_token="<unk>",
+def build_tokenizer(word_sets: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """The shipped tokenizer (see module docstring) with a compact chat template, plus the
+    whole words of ``word_sets``."""
+    tok = Tokenizer(models.WordPiece(vocab=vocabulary(word_sets), unk_token="<unk>",
                                      continuing_subword_prefix=PREFIX,
                                      max_input_chars_per_word=MAX_PIECE_CHARS))
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -17,9 +17,9 @@ from tasks.envs.word_answer import WordAnswer
 from tasks.policy import encode_first_turn
 from tasks.tiny_tokenizer import (
     CHARACTERS,
-    NEW_WORDS,
     NUMBERS,
     SPECIAL_TOKENS,
+    WORD_SETS,
     WORDS,
     build_tokenizer,
     spell,
@@ -55,14 +55,25 @@ def test_earlier_ids_are_unchanged_and_new_tokens_come_after(tok):
     assert len(old) == 181 and by_id[:181] == list(old)
     assert [vocab[w] for w in ("<pad>", "<|end|>", "you", "?", "0", "32", "what", "sokoban", "bad")] \
         == [0, 5, 6, 72, 73, 105, 106, 142, 180]
-    chars = [c for c in CHARACTERS if c not in old] + ["##" + c for c in CHARACTERS]
-    assert by_id[181:181 + len(chars)] == chars
-    assert by_id[181 + len(chars):] == [w for w in NEW_WORDS if w not in old]
+    assert by_id[181:] == [c for c in CHARACTERS if c not in old] + ["##" + c for c in CHARACTERS]
     assert len(tok) == len(vocab) and tok.eos_token == "<|end|>" and tok.pad_token_id == 0
+
+
+def test_a_word_set_adds_whole_words_after_every_earlier_id(tok):
+    with_set = build_tokenizer(["hc_pinn"]).get_vocab()
+    vocab = tok.get_vocab()
+    assert {w: i for w, i in with_set.items() if w in vocab} == vocab
+    added = sorted((w for w in with_set if w not in vocab), key=with_set.get)
+    assert added == [w for w in WORD_SETS["hc_pinn"] if w not in vocab]
+    assert [with_set[w] for w in added] == list(range(len(vocab), len(with_set)))
+    with pytest.raises(ValueError, match="unknown word sets"):
+        build_tokenizer(["no_such_set"])
 
 
 @pytest.mark.parametrize("module", [word_answer, sokoban, tool_use, hc_pinn])
 def test_every_environment_word_is_a_whole_word_token(tok, module):
+    if module is hc_pinn:  # its words are an opt-in set (policy.word_sets)
+        tok = build_tokenizer(["hc_pinn"])
     vocab = tok.get_vocab()
     words = [*module.VOCAB, *getattr(module, "PUNCTUATION", ())]
     for w in words:
