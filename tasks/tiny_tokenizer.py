@@ -4,7 +4,8 @@ Every word of the built-in environments is one token, so a policy trained from s
 tasks quickly; every printable ASCII character is a token too, plain and as a ``##`` continuation,
 so any other environment's text is read without ``<unk>`` and any answer format (``\\boxed{5}``)
 can be written (:func:`spell`). Ids only ever grow at the end: a token keeps its id, and text the
-earlier word-level vocabulary could read is tokenized exactly as before.
+earlier word-level vocabulary could read is tokenized exactly as before. Environments added
+later bring their words as an opt-in word set (:data:`WORD_SETS`, ``policy.word_sets``).
 
 The environments' words are listed here rather than imported, so the policy depends on no
 environment; tests check that each environment's ``VOCAB`` stays covered.
