@@ -212,6 +212,7 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
             p.wait(timeout=30)
 
 
+@pytest.mark.long  # a minute: run by .ci/run after the default suite
 def test_bench_compares_systems_on_emulated_devices(tmp_path):
     """The bench end to end with a tiny budget: two systems, their figures, table and
     timelines (figures are measured, never asserted as performance)."""
@@ -379,9 +380,9 @@ def test_science_mix_trains_hc_pinn_and_verifies_it_on_its_own_lambda_function(t
     assert any(m.get("env/hc_pinn/trajectories", 0) > 0 for m in rows)
     summary = json.loads((run / "summary.json").read_text())
     _check_accounting(summary)
-    per_function = summary["reward"]["per_function"]
-    assert per_function["rollarc-reward-pinn"]["trajectories_sent"] > 0
-    assert per_function["rollarc-reward-pinn"]["statuses"] == {
-        "ok": per_function["rollarc-reward-pinn"]["invocations"]}
+    pinn = summary["reward"]["per_function"]["rollarc-reward-pinn"]
+    assert pinn["trajectories_sent"] > 0 and pinn["statuses"]["ok"] > 0
+    # beyond the emulation's 4 sandboxes a call is throttled (429) and sent again, never lost
+    assert set(pinn["statuses"]) <= {"ok", "TooManyRequestsException"}
     assert summary["reward"]["lost"] == {}
     assert set(summary["tasks_per_stage_per_pool"]["env_step"]) == {"env"}
