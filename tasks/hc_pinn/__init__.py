@@ -2,7 +2,10 @@
 residual neural tangent kernels: the library behind the ``hc_pinn`` env task.
 
 - :mod:`tasks.hc_pinn.problems`: PDE problems with exact solutions;
-- :mod:`tasks.hc_pinn.boundary`: boundary functions ``B`` and the grammar naming them;
+- :mod:`tasks.hc_pinn.grammar`: the words that name a boundary function (torch-free);
+- :mod:`tasks.hc_pinn.boundary`: the boundary functions ``B`` themselves;
 - :mod:`tasks.hc_pinn.ntk`: the trial function ``A + B N``, the residual kernel, its spectrum;
-- :mod:`tasks.hc_pinn.training`: training an HC-PINN to a loss threshold within a step budget.
+- :mod:`tasks.hc_pinn.training`: training an HC-PINN to a loss threshold within a step budget;
+- :mod:`tasks.hc_pinn.verify`: the reward that trains an agent's proposal (a Lambda function);
+- :mod:`tasks.hc_pinn.study`: the spectral study's job and statistics.
 """
