@@ -15,7 +15,7 @@ from typing import Any
 from tasks.envs.frozenlake import ACTIONS, parse_action
 from tasks.envs.guess_number import parse_guess
 from tasks.envs.tool_use import verify as _verify_tool_use
-from tasks.hc_pinn.grammar import parse_spec
+from tasks.hc_pinn.grammar import parse_replies
 
 Item = dict[str, Any]
 RewardOutput = tuple[float, dict[str, Any]]
@@ -118,13 +118,12 @@ def hc_pinn_spectral(item: Item) -> RewardOutput:
     instead is :func:`tasks.hc_pinn.verify.hc_pinn_convergence`."""
     info = item["info"]
     penalty = float(info.get("format_penalty", 0.0))
-    specs = [parse_spec(text) for text in item["responses"]]
-    valid = [str(s) for s in specs if s is not None]
+    specs, format_errors = parse_replies(item["responses"])
+    valid = [str(s) for s in specs]
     proposals = info.get("proposals") or []
     if valid != [p["spec"] for p in proposals]:
         raise ValueError(f"the replies propose {valid}, the environment scored "
                          f"{[p['spec'] for p in proposals]}")
-    format_errors = len(specs) - len(valid)
     score = float(proposals[-1]["score"]) if proposals else 0.0
     success = bool(proposals) and score >= 1.0 - float(info.get("tolerance", 0.0))
     return score - penalty * format_errors, {

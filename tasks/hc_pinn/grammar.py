@@ -54,6 +54,14 @@ def parse_spec(text: str) -> BoundarySpec | None:
         return None
 
 
+def parse_replies(responses: list[str]) -> tuple[list[BoundarySpec], int]:
+    """An episode's replies as the verifiers replay them: the valid proposals in order, and
+    the number of replies that named no boundary function (format errors)."""
+    specs = [parse_spec(text) for text in responses]
+    valid = [s for s in specs if s is not None]
+    return valid, len(specs) - len(valid)
+
+
 def grammar() -> list[BoundarySpec]:
     """Every spec the grammar allows."""
     return [BoundarySpec(f, p) for f in POWER_FAMILIES for p in range(1, MAX_POWER + 1)] + \

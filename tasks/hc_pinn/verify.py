@@ -21,7 +21,7 @@ import math
 import os
 from typing import Any
 
-from tasks.hc_pinn.grammar import BoundarySpec, parse_spec
+from tasks.hc_pinn.grammar import BoundarySpec, parse_replies
 
 VERIFY_STEPS = 300
 VERIFY_LR = 3e-3
@@ -49,9 +49,7 @@ def hc_pinn_convergence(item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     Needs ``info.problem`` and ``info.init_seed``; no valid proposal scores 0."""
     info = item["info"]
     penalty = float(info.get("format_penalty", 0.0))
-    specs = [parse_spec(text) for text in item["responses"]]
-    valid = [s for s in specs if s is not None]
-    format_errors = len(specs) - len(valid)
+    valid, format_errors = parse_replies(item["responses"])
     if not valid:
         return -penalty * format_errors, {"success": False, "format_errors": format_errors,
                                           "spec": None}
