@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,8 +51,7 @@ def make_network(dim: int, seed: int, width: int = DEFAULT_WIDTH, depth: int = D
                  ) -> nn.Module:
     """A tanh MLP ``R^dim -> R`` with ``depth`` hidden layers of ``width``, float64, its
     initialisation drawn from ``seed`` (PyTorch's default Linear init)."""
-    gen_state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng():
         torch.manual_seed(seed)
         layers: list[nn.Module] = []
         sizes = [dim] + [width] * depth
@@ -60,8 +59,6 @@ def make_network(dim: int, seed: int, width: int = DEFAULT_WIDTH, depth: int = D
             layers += [nn.Linear(a, b), nn.Tanh()]
         layers.append(nn.Linear(sizes[-1], 1))
         return nn.Sequential(*layers).double()
-    finally:
-        torch.random.set_rng_state(gen_state)
 
 
 class HCPinn:
@@ -77,8 +74,7 @@ class HCPinn:
 
     def trial(self, params: Params, x: Tensor) -> Tensor:
         """``u~`` at one point ``x`` of shape ``(d,)``: a scalar."""
-        n = functional_call(self.network, params, (x.unsqueeze(0),)).reshape(())
-        return self.problem.lift(x) + self.boundary(x) * n
+        return self.predict(params, x.unsqueeze(0)).reshape(())
 
     def residual_at(self, params: Params, x: Tensor) -> Tensor:
         """The PDE residual at one point ``x`` of shape ``(d,)``: a scalar."""
@@ -102,8 +98,10 @@ class HCPinn:
         n = functional_call(self.network, params, (xs,)).squeeze(-1)
         return self.problem.lift(xs) + self.boundary(xs) * n
 
-    def residual_jacobian(self, params: Params, xs: Tensor) -> Tensor:
-        """``J`` of shape ``(n, P)``: d residual_i / d theta, over all parameters in order."""
+    def residual_jacobian(self, xs: Tensor, params: Params | None = None) -> Tensor:
+        """``J`` of shape ``(n, P)``: d residual_i / d theta, over all parameters in order, at
+        ``params`` (None: the network's own)."""
+        params = self.params() if params is None else params
         # One thread at a time: torch.func's forward-mode levels are process-wide state, and an
         # environment worker steps many environments on threads of one process.
         with _TRANSFORMS:
@@ -113,7 +111,7 @@ class HCPinn:
 
 def residual_ntk(pinn: HCPinn, xs: Tensor, params: Params | None = None) -> Tensor:
     """The residual kernel ``K = J J^T`` at the collocation points ``xs``: ``(n, n)``."""
-    jac = pinn.residual_jacobian(pinn.params() if params is None else params, xs)
+    jac = pinn.residual_jacobian(xs, params)
     return jac @ jac.T
 
 
@@ -122,7 +120,7 @@ def jacobian_spectrum(pinn: HCPinn, xs: Tensor, params: Params | None = None) ->
     squared singular values of ``J``, shape ``(n,)`` (exact zeros beyond ``P``, the number of
     parameters). See the module docstring for why not :func:`eigenvalues` of
     :func:`residual_ntk`."""
-    jac = pinn.residual_jacobian(pinn.params() if params is None else params, xs)
+    jac = pinn.residual_jacobian(xs, params)
     values = torch.linalg.svdvals(jac).square()
     return torch.cat([values, values.new_zeros(jac.shape[0] - values.numel())])
 
@@ -172,18 +170,9 @@ class Spectrum:
     #                           is round-off, the true one at least lambda_max / floor
 
     @property
-    def rank_ratio(self) -> float:
-        """Effective rank over n, in (0, 1]."""
-        return self.effective_rank / self.n
-
-    @property
     def log10_condition(self) -> float:
         return math.log10(self.condition_number) if math.isfinite(self.condition_number) \
             else math.inf
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self) | {"rank_ratio": self.rank_ratio,
-                               "log10_condition": self.log10_condition}
 
 
 def spectrum_of(values: Tensor, floor: float = 0.0) -> Spectrum:

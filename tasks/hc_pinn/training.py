@@ -10,7 +10,7 @@ error against the exact solution on a grid that includes the boundary.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -34,15 +34,6 @@ class TrainResult:
     final_loss: float           # relative loss at the end (loss / loss of u~ = A)
     l2_error: float             # ||u~ - u|| / ||u|| on the evaluation grid
     loss_curve: tuple[float, ...]   # relative loss every `curve_every` steps
-
-    @property
-    def log10_final_loss(self) -> float:
-        return math.log10(self.final_loss) if self.final_loss > 0 else -math.inf
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("loss_curve")
-        return d
 
 
 def relative_l2_error(pinn: HCPinn, params, problem: Problem) -> float:
