@@ -174,7 +174,8 @@ def function_specs(template: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Per FunctionName, the function's handler, limits and environment with Globals applied.
 
     Each value: ``{"handler", "timeout_s", "memory_mb", "environment", "package_type",
-    "logical_id", "runtime"}``; ``runtime`` is None for an image function that sets none.
+    "logical_id", "runtime", "description", "architectures", "tracing", "image_uri"}``;
+    ``runtime`` is None for an image function that sets none, ``image_uri`` for a zip one.
     """
     globals_function = (template.get("Globals") or {}).get("Function") or {}
     specs: dict[str, dict[str, Any]] = {}
@@ -213,6 +214,11 @@ def function_specs(template: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             "package_type": str(package_type),
             "logical_id": str(logical_id),
             "runtime": _resolve(props.get("Runtime"), template, what),
+            "description": str(_resolve(props.get("Description", ""), template, what)),
+            "architectures": [str(_resolve(a, template, what))
+                              for a in props.get("Architectures") or ["x86_64"]],
+            "tracing": str(_resolve(props.get("Tracing", "PassThrough"), template, what)),
+            "image_uri": _resolve(props.get("ImageUri"), template, what),
         }
     return specs
 

@@ -15,7 +15,10 @@ is the one that talks to AWS:
   body that is not JSON, and ``TooManyRequestsException`` (429) when more synchronous calls arrive
   than the function's concurrency;
 - ``X-Amz-Log-Type: Tail``: the last 4 KB of the invocation's output, base64, ending with a
-  ``REPORT`` line that carries ``Init Duration`` on a cold start, as Lambda writes it.
+  ``REPORT`` line that carries ``Init Duration`` on a cold start, as Lambda writes it;
+- ``GetFunction``, ``GetFunctionConfiguration`` and ``ListFunctions``
+  (:mod:`resources.lambda_management`), so that ``aws lambda list-functions --endpoint-url ...``
+  works; any other route answers with Lambda's JSON error shape.
 
 Each function runs in its own pool of worker processes (spawned, like sandboxes), as many as its
 concurrency. A cold start is a new process's first import of the handler module and its set-up;
@@ -34,7 +37,6 @@ import json
 import logging
 import os
 import random
-import re
 import struct
 import subprocess
 import sys
@@ -46,8 +48,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
+from resources.lambda_management import FunctionCatalog, Reply, function_name, invoked_function
+from resources.lambda_management import unknown as unknown_route
 from resources.net import warn_if_exposed
 
 logger = logging.getLogger(__name__)
@@ -56,7 +59,6 @@ SYNC_PAYLOAD_LIMIT = 6 * 1024 * 1024
 ASYNC_PAYLOAD_LIMIT = 1024 * 1024
 LOG_TAIL_BYTES = 4096
 MB_PER_VCPU = 1769  # Lambda allocates one vCPU per 1,769 MB of memory
-_INVOKE_PATH = re.compile(r"^/2015-03-31/functions/([^/]+)/invocations$")
 
 
 @dataclass
@@ -68,6 +70,14 @@ class FunctionSpec:
     timeout_s: float = 60.0
     memory_mb: int = 1024
     environment: dict[str, str] = field(default_factory=dict)
+    # what the management API describes (resources.lambda_management)
+    runtime: str | None = "python3.12"
+    package_type: str = "Zip"
+    description: str = ""
+    architectures: tuple[str, ...] = ("x86_64",)
+    tracing: str = "PassThrough"
+    logical_id: str = ""
+    image_uri: str | None = None
 
 
 # -- a sandbox: one process that runs one function's handler, one invocation at a time ----------
@@ -267,6 +277,19 @@ class _Function:
             self._idle.clear()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A caller that closed its kept-alive connection is no error (socketserver would print
+        a traceback to stderr); anything else is logged."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            logger.debug("connection from %s closed by the caller", client_address)
+            return
+        logger.exception("request from %s failed", client_address)
+
+
 class LambdaEmulator:
     """The Lambda Invoke API on a local port, running handlers in sandbox processes."""
 
@@ -279,6 +302,7 @@ class LambdaEmulator:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.functions = {f.name: _Function(f, concurrency, init_timeout_s) for f in functions}
+        self.catalog = FunctionCatalog(functions, region, account, concurrency)
         self.host, self.port = host, port
         self.latency_s, self.init_delay_s = latency_s, init_delay_s
         self.sync_payload_limit, self.async_payload_limit = sync_payload_limit, async_payload_limit
@@ -286,7 +310,7 @@ class LambdaEmulator:
         self._stats: Counter[str] = Counter()
         self._running = 0
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._events: list[threading.Thread] = []
         # injected faults (FaultsConfig.reward's fields): rates of each kind, one draw per call
@@ -300,7 +324,10 @@ class LambdaEmulator:
 
         specs = function_specs(load_sam_template(template or DEFAULT_TEMPLATE))
         return cls([FunctionSpec(name, s["handler"], s["timeout_s"], s["memory_mb"],
-                                 s["environment"]) for name, s in specs.items()], **kwargs)
+                                 s["environment"], s["runtime"], s["package_type"],
+                                 s["description"], tuple(s["architectures"]), s["tracing"],
+                                 s["logical_id"], s["image_uri"])
+                    for name, s in specs.items()], **kwargs)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LambdaEmulator:
@@ -312,8 +339,7 @@ class LambdaEmulator:
         Handler.emulator = emulator
         warn_if_exposed("the Lambda emulation (it runs reward functions for any caller)",
                         self.host)
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((self.host, self.port), Handler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="lambda-emulator")
@@ -443,20 +469,40 @@ class _InvokeHandler(BaseHTTPRequestHandler):
         self._reply(status, body, {"x-amzn-ErrorType": error_type,
                                    "x-amzn-RequestId": request_id} | (headers or {}))
 
+    def _send(self, reply: Reply, request_id: str) -> None:
+        if reply.error_type is not None:
+            return self._error(reply.status, reply.error_type, reply.body["message"], request_id)
+        self._reply(reply.status, json.dumps(reply.body).encode(),
+                    {"x-amzn-RequestId": request_id})
+
+    def do_GET(self):
+        """GetFunction, GetFunctionConfiguration, ListFunctions."""
+        self._discard_body()
+        self._send(self.emulator.catalog.get(self.path), str(uuid.uuid4()))
+
+    def _discard_body(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+
+    def _unknown(self):  # what the emulation does not serve, as Lambda's JSON error
+        self._discard_body()
+        self._send(unknown_route(self.command, self.path), str(uuid.uuid4()))
+
+    do_PUT = do_DELETE = do_PATCH = _unknown
+
+    def do_HEAD(self):
+        self._reply(404, b"", {"x-amzn-ErrorType": "UnknownOperationException"})
+
     def do_POST(self):
         em = self.emulator
         request_id = str(uuid.uuid4())
         length = int(self.headers.get("Content-Length") or 0)
         payload = self.rfile.read(length) if length else b""
-        m = _INVOKE_PATH.match(urlparse(self.path).path)
-        if not m:
-            return self._error(404, "UnknownOperationException", f"unknown path {self.path}",
-                               request_id)
-        # a name, "name:qualifier", or a full or partial ARN
-        name = unquote(m.group(1))
-        if name.startswith("arn:"):
-            name = name.split(":")[6]
-        name = name.split(":")[0]
+        segment = invoked_function(self.path)
+        if segment is None:
+            return self._send(unknown_route("POST", self.path), request_id)
+        name, _ = function_name(segment)  # a name, "name:qualifier", or an ARN
         fn = em.functions.get(name)
         if fn is None:
             em._count("not_found")

@@ -236,3 +236,70 @@ def test_model_reward_through_the_emulation():
         assert s[0] == pytest.approx(1.0, abs=1e-4) and s[1] > s[2] + 0.2
         rec = batch.invocations[0]
         assert rec.cold_start and rec.init_ms > 0  # the model loads during init (preloaded)
+
+
+def test_management_api_describes_the_template_functions_as_lambda_does():
+    """ListFunctions, GetFunction and GetFunctionConfiguration through boto3, parsed by
+    botocore's own service model: the SAM template's functions with their settings."""
+    template = function_specs(load_sam_template(DEFAULT_TEMPLATE))
+    with LambdaEmulator.from_template(concurrency=3) as em:
+        lam = _boto(em.url)
+        listed = {f["FunctionName"]: f for f in lam.list_functions()["Functions"]}
+        assert set(listed) == set(template)
+        for name, spec in template.items():
+            config = lam.get_function_configuration(FunctionName=name)
+            config.pop("ResponseMetadata")
+            assert config == listed[name]
+            assert config["FunctionArn"] == f"arn:aws:lambda:us-east-1:000000000000:function:{name}"
+            assert (config["MemorySize"], config["Timeout"]) == (spec["memory_mb"],
+                                                                 spec["timeout_s"])
+            assert config["Environment"]["Variables"] == spec["environment"]
+            assert config["PackageType"] == spec["package_type"]
+            assert config["Architectures"] == spec["architectures"]
+            assert config["TracingConfig"]["Mode"] == spec["tracing"]
+            assert config["State"] == "Active" and config["Version"] == "$LATEST"
+            got = lam.get_function(FunctionName=name)
+            assert got["Configuration"] == config
+            assert got["Concurrency"]["ReservedConcurrentExecutions"] == 3
+            if spec["package_type"] == "Image":  # no runtime or handler: the image's command
+                assert "Runtime" not in config and "Handler" not in config
+                assert config["ImageConfigResponse"]["ImageConfig"]["Command"] == [
+                    spec["handler"]]
+                assert got["Code"] == {"RepositoryType": "ECR", "ImageUri": spec["image_uri"],
+                                       "ResolvedImageUri": spec["image_uri"]}
+            else:
+                assert (config["Runtime"], config["Handler"]) == (spec["runtime"],
+                                                                  spec["handler"])
+        # an ARN or name:$LATEST names a function as well; pages follow NextMarker
+        arn = lam.get_function(FunctionName=listed["rollarc-reward"]["FunctionArn"])
+        assert arn["Configuration"]["FunctionName"] == "rollarc-reward"
+        assert lam.get_function(FunctionName="rollarc-reward:$LATEST")["Configuration"]
+        pages = list(lam.get_paginator("list_functions").paginate(
+            PaginationConfig={"PageSize": 2}))
+        assert [len(p["Functions"]) for p in pages] == [2, len(template) - 2]
+        assert [f["FunctionName"] for p in pages for f in p["Functions"]] == sorted(template)
+
+
+def test_management_api_errors_are_lambda_json_never_html(emulator):
+    import urllib.error
+    import urllib.request
+
+    from botocore.exceptions import ClientError
+
+    lam = _boto(emulator.url)
+    for call in (lambda: lam.get_function(FunctionName="no-such-function"),
+                 lambda: lam.get_function_configuration(FunctionName="echo", Qualifier="7")):
+        with pytest.raises(ClientError) as err:
+            call()
+        assert err.value.response["Error"]["Code"] == "ResourceNotFoundException"
+        assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+    # an operation the emulation does not serve, by any method: JSON with the error type
+    for method in ("GET", "PUT", "DELETE", "PATCH", "POST"):
+        req = urllib.request.Request(f"{emulator.url}/2015-03-31/functions/echo/policy",
+                                     method=method, data=b"{}" if method != "GET" else None)
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=10)
+        assert http.value.code == 404
+        assert http.value.headers["Content-Type"] == "application/json"
+        assert http.value.headers["x-amzn-ErrorType"] == "UnknownOperationException"
+        assert "Unknown operation" in json.loads(http.value.read())["message"]
