@@ -161,6 +161,11 @@ class RolloutConfig(_Strict):
         default=300, gt=0, description="Watchdog: a turn (prefill, decode, env step) not "
         "answered within this many seconds is abandoned, the environment or stage that stopped "
         "answering named in the log, and the trajectory restarted or dropped (null: no limit)")
+    end_timeout_s: float = Field(
+        default=120, gt=0, description="After the last train step, the longest the run waits "
+        "for the turns, scores and evaluation episodes still in flight; then they are "
+        "cancelled, their environments closed and their trajectories dropped as run_ended, "
+        "and the run ends")
     cohort_max: int = Field(
         default=64, ge=1, description="Turns ready at once on the same workers go as one task "
         "per stage, this many trajectories at most (1: a task per trajectory and turn)")
@@ -252,9 +257,10 @@ class TrainerConfig(_Strict):
         description="Policy loss (tasks.losses.LossFn); extra keys are bound as kwargs")
     resume_from: str | None = Field(default=None, description="checkpoint.pt to resume from")
     checkpoint_every: int = Field(
-        default=0, ge=0, description="Write a resumable checkpoint every this many train steps "
-        "under <run_dir>/checkpoints/ (0: only the final one); python flows/train.py --resume "
-        "RUN_DIR continues from the newest")
+        default=5, ge=0, description="Write a resumable checkpoint after the first train step "
+        "and every this many steps under <run_dir>/checkpoints/ (0: only the final one): a lost "
+        "trainer worker is rebuilt from the newest, and python flows/train.py --resume RUN_DIR "
+        "continues from it")
     keep_checkpoints: int = Field(default=2, ge=1, description="Periodic checkpoints kept (the "
                                   "oldest are deleted)")
 

@@ -72,8 +72,17 @@ class EventLoop:
         """The futures tracked and not yet handed out by :meth:`next_batch`."""
         return [fut for _, fut in self._tracked.values()]
 
+    def pending_kinds(self) -> dict[str, int]:
+        """How many futures of each kind are still to come (what the run waits on)."""
+        counts: dict[str, int] = {}
+        for kind, _ in self._tracked.values():
+            counts[kind.value] = counts.get(kind.value, 0) + 1
+        return counts
+
     def empty(self) -> bool:
-        return self._ac.is_empty()
+        """Nothing tracked is still to come (futures forgotten with :meth:`forget` do not
+        count)."""
+        return not self._tracked
 
     def next_batch(self, wake: Callable[[], bool] | None = None,
                    poll_s: float = POLL_S) -> list[Event]:
@@ -81,10 +90,10 @@ class EventLoop:
         ``wake()`` is true (checked every ``poll_s``; then the batch may be empty), so that the
         driver sees workers come and go and its watchdogs fire even while nothing finishes."""
         while True:
-            batch = self._ac.next_batch(block=False)
+            batch = self._finished()
             if batch or (wake is not None and wake()):
                 break
-            if self._ac.is_empty():  # nothing tracked: only ``wake`` can end the wait
+            if self.empty():  # nothing tracked: only ``wake`` can end the wait
                 if wake is None:
                     break
                 time.sleep(poll_s)
@@ -93,8 +102,15 @@ class EventLoop:
                 self._ac.thread_condition.wait(timeout=poll_s)
         return self._events(batch)
 
+    def forget(self, keys: Iterable[str]) -> list[Event]:
+        """Stop waiting for the futures of ``keys`` (given up on: cancelled, yet not come back
+        in time): each is handed out now as an event without a result, and ignored if it
+        finishes later."""
+        return [Event(kind, fut, None, self.shard)
+                for kind, fut in (self._tracked.pop(k) for k in keys if k in self._tracked)]
+
     def _finished(self) -> list[Future]:
-        return self._ac.next_batch(block=False)
+        return [f for f in self._ac.next_batch(block=False) if f.key in self._tracked]
 
     def _events(self, batch: list[Future]) -> list[Event]:
         results = self._gather(batch)

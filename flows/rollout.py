@@ -139,8 +139,15 @@ class RolloutDriver:
 
     def stop(self) -> None:
         """Training is over: every rolling-out training trajectory ends after its current turn
-        (evaluation episodes run to their end)."""
+        (evaluation episodes run to their end); those waiting for their next turn (a restart
+        waiting for a pool's worker included) end now, their environments closed."""
         self._stopping = True
+        for waiting in (self._ready, self._held):
+            ended = [rec for rec in waiting if not rec.evaluation]
+            waiting[:] = [rec for rec in waiting if rec.evaluation]
+            for rec in ended:
+                self.close_env(rec)
+                self._drop(rec, DropReason.RUN_ENDED, "training ended before its next turn")
 
     # -- submission -------------------------------------------------------------------------
     def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str, env_task: str,
@@ -271,7 +278,7 @@ class RolloutDriver:
         lost = []
         for key, cohort in self._cohorts.items():
             if worker in cohort.workers and key not in self._abandoned:
-                self._abandoned[key] = (DropReason.WORKER_LOST, detail)
+                self._abandon(key, DropReason.WORKER_LOST, detail)
                 lost.append(cohort.step)
         # closes aimed at it will never run: forgotten, so that the end of the run does not wait
         self._closing = [f for f in self._closing if f.key not in self._close_worker
@@ -304,10 +311,13 @@ class RolloutDriver:
             else:
                 where = f"prefill/decode of {cohort.env_task} (env_step-{cohort.suffix})"
             logger.warning("watchdog: %s did not answer within %.0f s", where, timeout_s)
-            self._abandoned[key] = (DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: "
-                                    f"{where} did not answer within {timeout_s:.0f} s")
+            self._abandon(key, DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: {where} "
+                          f"did not answer within {timeout_s:.0f} s")
             late.append(cohort.step)
         return late
+
+    def _abandon(self, key: str, reason: DropReason, detail: str) -> None:
+        self._abandoned[key] = (reason, detail)
 
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:

@@ -62,6 +62,9 @@ TRAIN_STEP_GRACE_S = 120  # an interrupted run waits this long for its running t
 IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
                     TrajState.SCORING, TrajState.IN_GROUP, TrajState.TRAINING)
 WATCHDOG_EVERY_S = 1.0
+# a future given up on (cancelled) that has not come back this long after is resolved as lost
+# without it, so that nothing waits on a cancellation that never arrives
+ABANDON_GRACE_S = 30.0
 
 
 class PoolLost(RunFailing):
@@ -161,10 +164,15 @@ class TrainingRun:
         self._publishing: Future | None = None  # weights on their way to the other shards
         self._training_ids: list[int] = []  # the batch of the running train step
         self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
-        # futures abandoned with a lost worker
-        self._abandoned: set[str] = set()
+        self._checkpoint_started: dict[str, float] = {}
+        self.checkpoint_s: list[float] = []  # each periodic checkpoint, submitted to written
+        # futures given up on (a lost worker, a watchdog) -> when (perf_counter)
+        self._abandoned: dict[str, float] = {}
         self._pinned: dict[str, tuple[str, Future]] = {}  # load/time-share key -> worker
         self._joining: dict[str, dict[str, float]] = {}  # inference workers loading weights
+        # the last step was trained (its time): what is in flight has rollout.end_timeout_s
+        self._ending_since: float | None = None
+        self._end_detail = ""  # the drop detail of what the end's time limit cut
         self._empty_since: dict[Tag, float] = {}
         self._next_watchdog = 0.0
         # a worker left (its time), until the next batch cut, whose step then ends the recovery
@@ -277,7 +285,7 @@ class TrainingRun:
         elif self._paused_at is not None:  # the pause between calls is not training time
             self.t0 += now - self._paused_at
         self._paused_at = None
-        handlers = {FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
+        self._handlers = handlers = {FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
                     FutureKind.TRAIN: lambda ev: self._on_train(ev, progress),
                     FutureKind.LOAD_WEIGHTS: self._on_load,
                     FutureKind.TIME_SHARE: self._on_time_share,
@@ -307,17 +315,49 @@ class TrainingRun:
             self._membership_and_watchdogs()
             for ev in self._next_batch():
                 handlers[ev.kind](ev)
-                self._abandoned.discard(ev.future.key)
+                self._abandoned.pop(ev.future.key, None)
             self._membership_and_watchdogs()
             for driver in self.drivers:
                 driver.prune_closing()
             self._send_live()
+            if self._end_overdue():
+                break
         for driver in self.drivers:
             driver.wait_closing()
-        # finished-but-untrained trajectories at the end are dropped as run_ended
-        for tid in self.ledger.live():
-            self.ledger.drop(tid, DropReason.RUN_ENDED)
+        # finished-but-untrained trajectories at the end are dropped as run_ended (evaluation
+        # episodes too, when the end's time ran out)
+        for evaluation in (False, True):
+            for tid in self.ledger.live(evaluation):
+                self.ledger.drop(tid, DropReason.RUN_ENDED, self._end_detail)
         self._send_live(force=True)
+        return True
+
+    def _end_overdue(self) -> bool:
+        """After the last train step, the work in flight has ``rollout.end_timeout_s`` to
+        finish; then what is left is cancelled (its trajectories dropped as ``run_ended``,
+        their environments closed) and named in the log, and the run ends."""
+        if self.version < self.cfg.trainer.max_steps:
+            return False
+        now = time.perf_counter()
+        if self._ending_since is None:
+            self._ending_since = now
+        limit = self.cfg.rollout.end_timeout_s
+        if now - self._ending_since <= limit:
+            return False
+        loops = [self.events] if self.shards is None else self.shards.loops
+        kinds: Counter[str] = Counter()
+        for loop in loops:
+            kinds.update(loop.pending_kinds())
+        waiting = sum(len(d._ready) for d in self.drivers)
+        self._end_detail = (f"still in flight rollout.end_timeout_s={limit:g} s after the last "
+                            f"train step")
+        logger.warning("the run's end waited %.0f s (rollout.end_timeout_s) for %s and %d "
+                       "trajectories waiting for a worker (missing pools: %s): cancelled",
+                       now - self._ending_since, dict(kinds) or "nothing", waiting,
+                       [str(t) for t in self._missing_pools()] or "none")
+        cancel([f for loop in loops for f in loop.pending()])
+        for driver in self.drivers:
+            driver.close_all()
         return True
 
     def _events_empty(self) -> bool:
@@ -461,10 +501,12 @@ class TrainingRun:
         return bool(self._missing_pools()) or any(d._ready for d in self.drivers)
 
     def _missing_pools(self) -> list[Tag]:
-        """The tags no serving worker carries now (a joining inference worker counts)."""
+        """The tags no serving worker carries now. A joining inference worker does not count
+        until it has loaded the weights: turns cannot go to it, so a joiner that never loads
+        must not hide an empty pool from cluster.pool_empty_timeout_s."""
         return [tag for tag in Tag if not (
             self.trainer.worker is not None if tag is Tag.TRAINER
-            else self.driver.router.has(str(tag)) or bool(self._joining_with(tag)))]
+            else self.driver.router.has(str(tag)))]
 
     def _membership_and_watchdogs(self) -> None:
         for change in self.membership.take():
@@ -480,6 +522,8 @@ class TrainingRun:
         self._next_watchdog = now + WATCHDOG_EVERY_S
         for driver in self.drivers:
             self._cancel(driver.overdue(self.cfg.rollout.turn_timeout_s))
+        self._resolve_unanswered()
+        self._load_joiners()
         if self.scaler is not None:
             self.scaler.step(now)
         missing = self._missing_pools()
@@ -495,8 +539,34 @@ class TrainingRun:
                 if now - since > self.cfg.cluster.pool_empty_timeout_s:
                     self._stop_on_empty_pool(tag, now - since, f" on rollout shard {k}")
 
-    def _joining_with(self, tag: Tag) -> list[str]:
-        return [w for w, tags in self._joining.items() if tags.get(str(tag), 0) > 0]
+    def _load_joiners(self) -> None:
+        """Every joining inference worker has a weight load on its way while weights exist: one
+        that joined while none could be sent (the trainer lost), or whose load was lost, gets
+        one now rather than with a next version that may never come (the end of the run)."""
+        if self.trainer.snapshot is None or self.trainer.worker is None:
+            return
+        loading = {w for w, _ in self._pinned.values()}
+        for worker in self._joining:
+            if worker not in loading and worker in self.trainer.inference_workers:
+                logger.warning("worker %s joined and has no weight load in flight: loading v%d",
+                               worker, self.version)
+                self._load_weights({worker: self.trainer.load_on(worker, self.version)})
+
+    def _resolve_unanswered(self) -> None:
+        """Futures given up on (cancelled) that did not come back within ABANDON_GRACE_S: the
+        event loops stop waiting for them and their handlers take them as lost now."""
+        now = time.perf_counter()
+        late = {k for k, at in self._abandoned.items() if now - at > ABANDON_GRACE_S}
+        if not late:
+            return
+        loops = [self.events] if self.shards is None else self.shards.loops
+        for ev in [ev for loop in loops for ev in loop.forget(late)]:
+            logger.warning("%s was cancelled %.0f s ago and has not come back: taken as lost",
+                           ev.future.key, now - self._abandoned[ev.future.key])
+            self._handlers[ev.kind](ev)
+            self._abandoned.pop(ev.future.key, None)
+        for key in late:  # came back meanwhile, or never tracked
+            self._abandoned.pop(key, None)
 
     def _stop_on_empty_pool(self, tag: Tag, seconds: float, where: str = "") -> None:
         """Rather than wait for ever: the run stops (the caller writes a checkpoint when the
@@ -516,7 +586,8 @@ class TrainingRun:
         """Give up on ``futures``: they come back through the event loop as cancelled, and
         their handlers see their keys in ``_abandoned``."""
         if futures:
-            self._abandoned.update(f.key for f in futures)
+            now = time.perf_counter()
+            self._abandoned.update((f.key, now) for f in futures)
             cancel(futures)
 
     def _worker_left(self, change: WorkerChange) -> None:
@@ -599,6 +670,10 @@ class TrainingRun:
         if self._publishing is not None:  # weights it was publishing for the other shards
             self._cancel([self._publishing])
             self._publishing = None
+        # loads of weights published on it: a load that has not fetched them yet would wait
+        # for ever on a publish that Dask can only recompute there; the restored trainer
+        # publishes again to every inference worker
+        self._cancel([f for _, f in self._pinned.values()])
         self._drop_training(DropReason.TRAINER_LOST, "the trainer's worker left")
         spare = self.cluster.workers_with(Tag.TRAINER)
         if spare:
@@ -694,22 +769,27 @@ class TrainingRun:
 
     # -- checkpoints ------------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
-        """Every ``trainer.checkpoint_every`` steps: the trainer writes its checkpoint (no train
-        step starts meanwhile, so it is of this version), then the driver its state."""
+        """After the first step and every ``trainer.checkpoint_every`` steps: the trainer writes
+        its checkpoint (no train step starts meanwhile, so it is of this version), then the
+        driver its state. The first one makes the trainer's loss survivable from the start."""
         every = self.cfg.trainer.checkpoint_every
-        if (not every or self.version % every or self.version >= self.cfg.trainer.max_steps
-                or self.trainer.worker is None):
+        if (not every or (self.version % every and self.version != 1)
+                or self.version >= self.cfg.trainer.max_steps or self.trainer.worker is None):
             return
         directory = checkpoints.step_dir(self.run_dir, self.version)
         fut = self.trainer.checkpoint(str(directory), self.version)
         self._checkpointing[fut.key] = (fut, directory, self.driver_state())
+        self._checkpoint_started[fut.key] = time.perf_counter()
         self.events.track(fut, FutureKind.CHECKPOINT)
 
     def _on_checkpoint(self, ev: Event) -> None:
         entry = self._checkpointing.pop(ev.future.key, None)
+        started = self._checkpoint_started.pop(ev.future.key, None)
         if entry is None or self._lost(ev):  # lost with the trainer's worker
             return
         _, directory, state = entry
+        if started is not None:  # the trainer's time on it: no train step starts meanwhile
+            self.checkpoint_s.append(time.perf_counter() - started)
         if ev.future.status != "finished":
             raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
         self._finish_checkpoint(directory, state)
@@ -807,7 +887,9 @@ class TrainingRun:
         for stage, per_worker in placement.items():
             for w, n in per_worker.items():
                 by_pool[stage][self.cluster.worker_pool.get(w, w)] += n
-        reports = self.client.run(worker_report)
+        # a worker lost at the very end is skipped, not waited on
+        reports = {w: r for w, r in self.client.run(worker_report, on_error="return").items()
+                   if isinstance(r, dict)}
         live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
         if self.shards is not None:
             live_envs += self.shards.live_envs()
@@ -849,7 +931,11 @@ class TrainingRun:
             "faults": {"worker_changes": self.worker_changes,
                        "recovery_s": [round(s, 3) for s in self.recoveries_s],
                        "restarted": dict(restarts),
-                       "score_tasks_resent": sum(self.rewards.resent.values())},
+                       "score_tasks_resent": sum(self.rewards.resent.values()),
+                       "checkpoints": {"every": self.cfg.trainer.checkpoint_every,
+                                       "written": len(self.checkpoint_s),
+                                       "mean_s": round(sum(self.checkpoint_s)
+                                                       / max(len(self.checkpoint_s), 1), 3)}},
             "env_pool": [] if self.scaler is None else [
                 dict(h, at=round(h["at"] - t0, 2)) for h in self.scaler.history],
             "turns": {"count": len(turns),

@@ -332,11 +332,13 @@ def test_ctrl_c_checkpoints_and_resume_continues_the_same_run(tmp_path):
                   "trainer.groups_per_step=2", "eval.every_steps=0"], signal.SIGINT, 2)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    # the periodic one of the first step, then the interrupt's, of the last trained step
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
-    assert len(saved) == 1 and (saved[0] / "driver.json").is_file()
-    version = json.loads((saved[0] / "driver.json").read_text())["version"]
+    assert [d.name for d in saved][0] == "step-000001" and len(saved) == 2
+    assert (saved[-1] / "driver.json").is_file()
+    version = json.loads((saved[-1] / "driver.json").read_text())["version"]
     assert version >= 2
-    state = torch.load(saved[0] / "checkpoint.pt", weights_only=True)
+    state = torch.load(saved[-1] / "checkpoint.pt", weights_only=True)
     assert state["version"] == version
     # the metrics end at the checkpoint's step: the trainer and the rows agree
     assert read_metrics(run_dir)[-1]["train/step"] == version
