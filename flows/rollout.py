@@ -126,10 +126,14 @@ class RolloutDriver:
         # cohorts the driver gave up on (a worker lost, a turn past rollout.turn_timeout_s):
         # env_step key -> (reason, detail), read when the cancelled future comes back
         self._abandoned: dict[str, tuple[DropReason, str]] = {}
-        # per turn: its tasks' key suffix, (submitted, answered) wall-clock times, the emulated
-        # waits within, and "trajectory-attempt": the benchmark subtracts the tasks' compute
-        # intervals to get the orchestration overhead
+        # per turn, with metrics.task_stream only (a long run's would grow without end): its
+        # tasks' key suffix, (submitted, answered) wall-clock times, the emulated waits within,
+        # and "trajectory-attempt": the benchmark subtracts the tasks' compute intervals to get
+        # the orchestration overhead
         self.turn_log: list[tuple[str, float, float, float, str]] = []
+        self.keep_turn_log = cfg.metrics.task_stream
+        # the same, as running totals, always: turns, wall seconds, emulated-wait seconds
+        self.turn_totals = [0, 0.0, 0.0]
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
 
@@ -380,9 +384,13 @@ class RolloutDriver:
         self.lengths.record(rec.env_task.name, obs.sample.virtual_tokens - shape.prompt_tokens
                             if shape is not None else len(obs.sample.token_ids))
         remote = float(obs.info.get("remote_latency_s", 0.0)) * self.cfg.engine.time_scale
-        self.turn_log.append((cohort.suffix, cohort.submitted, now,
-                              obs.sample.emulated_wait_s + remote,
-                              f"{rec.traj_id}-{rec.attempt}"))
+        waited = obs.sample.emulated_wait_s + remote
+        self.turn_totals[0] += 1
+        self.turn_totals[1] += now - cohort.submitted
+        self.turn_totals[2] += waited
+        if self.keep_turn_log:
+            self.turn_log.append((cohort.suffix, cohort.submitted, now, waited,
+                                  f"{rec.traj_id}-{rec.attempt}"))
 
     def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
         self.error_streak = 0

@@ -894,7 +894,8 @@ class TrainingRun:
         if self.shards is not None:
             live_envs += self.shards.live_envs()
         accounts = self.ledger.summary()
-        turns = [t for d in self.drivers for t in d.turn_log]
+        turns = [t for d in self.drivers for t in d.turn_log]  # with metrics.task_stream
+        n_turns = sum(d.turn_totals[0] for d in self.drivers)
         submitted: Counter[str] = Counter()
         truncated: Counter[str] = Counter()
         restarts: Counter[str] = Counter()
@@ -938,9 +939,11 @@ class TrainingRun:
                                                        / max(len(self.checkpoint_s), 1), 3)}},
             "env_pool": [] if self.scaler is None else [
                 dict(h, at=round(h["at"] - t0, 2)) for h in self.scaler.history],
-            "turns": {"count": len(turns),
-                      "wall_s_mean": sum(t[2] - t[1] for t in turns) / max(len(turns), 1),
-                      "emulated_wait_s_mean": sum(t[3] for t in turns) / max(len(turns), 1)},
+            "turns": {"count": n_turns,
+                      "wall_s_mean": sum(d.turn_totals[1] for d in self.drivers)
+                      / max(n_turns, 1),
+                      "emulated_wait_s_mean": sum(d.turn_totals[2] for d in self.drivers)
+                      / max(n_turns, 1)},
             "workers": {a: dict(r, pool=self.cluster.worker_pool.get(a, a))
                         for a, r in reports.items()},
             "train_windows_s": [(a - t0, b - t0) for a, b in self.train_windows],

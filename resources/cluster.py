@@ -21,7 +21,7 @@ from distributed.security import Security
 from resources.hardware import PoolRouter, adopt_hardware, adopt_joiner
 from resources.net import LOOPBACK, warn_if_exposed
 from resources.pools import PoolSpec, Tag, tags_of
-from resources.worker import TORCH_THREADS_ENV
+from resources.worker import TORCH_THREADS_ENV, quiet_close
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,10 @@ class ClusterHandle:
         the client is still connected; the client goes last. (Closing the client first left
         worker heartbeats racing the scheduler's exit, which logged CommClosedError.)"""
         if self.cluster is not None:
+            try:  # the workers' heartbeats may race the scheduler's exit: not an error now
+                self.client.run(quiet_close, on_error="ignore")
+            except Exception as exc:  # a worker gone already: nothing to quiet there
+                logger.debug("quieting the workers' logs: %s", exc)
             self.cluster.close()
         self.client.close()
 

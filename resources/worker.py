@@ -72,6 +72,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
 
     def setup(self, worker) -> None:
         # worker-side state is created here: the plugin object itself is pickled to the workers
+        quiet_message_sizing()
         self._lock = threading.RLock()
         self._backend = self._envs = self._tokenizer = self._trainer = None
         self._reward_clients: dict[str, Any] = {}
@@ -228,6 +229,35 @@ def plain(fn, *args, **kwargs):
 def with_reward_client(fn, lambda_function: str, *args, **kwargs):
     """Call ``fn(client, *args)`` with this worker's client of the reward function."""
     return fn(_plugin().reward_client(lambda_function), *args, **kwargs)
+
+
+class _MessageSizingFilter(logging.Filter):
+    """Drops one warning that reports nothing wrong. Before sending a message, Dask's comm layer
+    sizes it with ``safe_sizeof(msg, default_size=-1)`` to choose whether to serialise it on a
+    thread (``distributed/comm/utils.py``); a worker's profile tree, which the performance
+    report asks for, nests deeper than ``sizeof`` recurses, so it logs "Sizeof calculation for
+    object of type 'dict' failed. Defaulting to -1 B" and offloads the message, as it would a
+    large one. Every other sizeof failure (of a task's result) is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Sizeof calculation for object of type 'dict' failed" in message
+                    and "Defaulting to -1 B" in message)
+
+
+def quiet_message_sizing() -> None:
+    """Install :class:`_MessageSizingFilter` in this process (once)."""
+    log = logging.getLogger("distributed.sizeof")
+    if not any(isinstance(f, _MessageSizingFilter) for f in log.filters):
+        log.addFilter(_MessageSizingFilter())
+
+
+def quiet_close(dask_worker=None) -> None:
+    """For ``client.run`` once a run is over, before its cluster closes: this worker's Dask
+    loggers no longer report the scheduler going away (a heartbeat in flight while it closes
+    is no error of the run)."""
+    for name in ("distributed", "tornado"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def worker_report(dask_worker=None) -> dict:

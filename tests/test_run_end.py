@@ -1,0 +1,101 @@
+"""The end of a run is bounded: after the last train step, work that cannot finish is cancelled
+within ``rollout.end_timeout_s`` and accounted; a future given up on that never comes back is
+not waited on."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from distributed import Client, LocalCluster
+
+from flows.api import run_training
+from flows.config import load_config
+from flows.events import EventLoop, FutureKind
+from flows.lifecycle import TrajState
+from tasks.env_steps import env_step
+from tasks.stages import Stages
+from tasks.trainer import train_step
+
+QUIET = ["metrics.progress=false", "cluster.dashboard_port=0", "eval.every_steps=0",
+         "cluster.processes=false", "metrics.performance_report=false", "metrics.curves=false"]
+STEPS = 2
+
+
+class LastStepMarks:
+    """A train step that leaves a marker file once it trains the last step."""
+
+    def __init__(self, marker: Path, last: int):
+        self.marker, self.last = str(marker), last
+
+    def __call__(self, trainer, batch):
+        stats = train_step(trainer, batch)
+        if stats.policy_version >= self.last:
+            Path(self.marker).write_text("trained")
+        return stats
+
+
+class HangsAfter:
+    """An environment step that stops answering (for ``seconds``) once the marker exists: work
+    still in flight after the last step that cannot finish in time."""
+
+    def __init__(self, marker: Path, seconds: float):
+        self.marker, self.seconds = str(marker), seconds
+
+    def __call__(self, registry, tokenizer, prev, sample):
+        if os.path.exists(self.marker):
+            time.sleep(self.seconds)
+        return env_step(registry, tokenizer, prev, sample)
+
+
+def test_work_that_cannot_finish_after_the_last_step_is_cut_at_end_timeout(tmp_path):
+    """Turns that stop answering after the last step (the turn watchdog is 300 s away) are
+    cancelled after rollout.end_timeout_s: the run returns, every trajectory is accounted
+    for, the cut ones dropped as run_ended with the reason, no environment left open."""
+    marker = tmp_path / "trained"
+    cfg = load_config(overrides=[*QUIET, f"trainer.max_steps={STEPS}", "reward.backend=local",
+                                 "trainer.groups_per_step=2", "rollout.end_timeout_s=2",
+                                 "rollout.turn_timeout_s=300"])
+    stages = Stages(train_step=LastStepMarks(marker, STEPS), env_step=HangsAfter(marker, 8))
+    drops: list[tuple[str, str]] = []
+
+    def on_transition(t, _ledger) -> None:
+        if t.new is TrajState.DROPPED:
+            drops.append((str(t.reason), t.detail))
+
+    summary = run_training(cfg, tmp_path / "run", stages=stages, on_transition=on_transition,
+                           dashboard=lambda line: None)
+    t = summary["trajectories"]
+    assert summary["policy_version"] == STEPS
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())
+    assert summary["live_env_instances_at_end"] == 0
+    cut = [reason for reason, detail in drops if "rollout.end_timeout_s" in detail]
+    assert cut and set(cut) == {"run_ended"}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as lc, Client(lc) as c:
+        yield c
+
+
+def test_a_future_forgotten_is_handed_out_as_lost_and_no_longer_waited_on(client):
+    """A task pinned to a worker that is gone never runs (Dask's no-worker state, no error):
+    forgotten, it comes out once as an event without a result, and the loop is empty."""
+    loop = EventLoop(client)
+    stuck = loop.track(client.submit(sum, [1, 2], workers=["tcp://127.0.0.1:1"],
+                                     allow_other_workers=False, pure=False), FutureKind.TURN)
+    done = loop.track(client.submit(sum, [3, 4], pure=False), FutureKind.SCORE)
+    done.result(timeout=30)
+    events = loop.next_batch(wake=lambda: False)
+    assert [(e.kind, e.result) for e in events] == [(FutureKind.SCORE, 7)]
+    assert not loop.empty() and loop.pending_kinds() == {"turn": 1}
+    [lost] = loop.forget([stuck.key, "never-tracked"])
+    assert (lost.kind, lost.future, lost.result, lost.ok) == (FutureKind.TURN, stuck, None,
+                                                              False)
+    assert loop.empty() and loop.forget([stuck.key]) == []
+    client.cancel([stuck])  # its cancellation arriving late is ignored
+    assert loop.next_batch(wake=lambda: True) == []
