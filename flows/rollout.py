@@ -141,17 +141,18 @@ class RolloutDriver:
     def stopping(self) -> bool:
         return self._stopping
 
-    def stop(self) -> None:
+    def stop(self, reason: DropReason = DropReason.RUN_ENDED) -> None:
         """Training is over: every rolling-out training trajectory ends after its current turn
         (evaluation episodes run to their end); those waiting for their next turn (a restart
-        waiting for a pool's worker included) end now, their environments closed."""
+        waiting for a pool's worker included) end now with ``reason``, their environments
+        closed."""
         self._stopping = True
         for waiting in (self._ready, self._held):
             ended = [rec for rec in waiting if not rec.evaluation]
             waiting[:] = [rec for rec in waiting if rec.evaluation]
             for rec in ended:
                 self.close_env(rec)
-                self._drop(rec, DropReason.RUN_ENDED, "training ended before its next turn")
+                self._drop(rec, reason, "training ended before its next turn")
 
     # -- submission -------------------------------------------------------------------------
     def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str, env_task: str,

@@ -369,16 +369,16 @@ class TrainingRun:
             return self.events.next_batch(wake=self._wake)
         return self.shards.next_batch(wake=self._wake)
 
-    def _stop_rollout(self) -> None:
+    def _stop_rollout(self, reason: DropReason = DropReason.RUN_ENDED) -> None:
         for driver in self.drivers:
-            driver.stop()
+            driver.stop(reason)
 
     def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
         """Stop at once (an interrupt): cancel the work in flight, close the live environment
         instances, drop every live trajectory with ``reason``. A train step already running
         is let finish and recorded, so that the trainer and the metrics agree on the version.
         The cluster stays usable."""
-        self._stop_rollout()
+        self._stop_rollout(reason)
         running = self._train_future
         finishing = {running.key} if running is not None else set()
         finishing |= set(self._checkpointing)
