@@ -60,6 +60,9 @@ def fresh(cluster):
 
 
 def _finished(summary: dict, steps: int, what: str) -> dict:
+    # shown by pytest -rA: the drill's recovery times and drops
+    print(f"{what}: recovery_s {summary['faults']['recovery_s']}, restarted "
+          f"{summary['faults']['restarted']}, dropped {summary['trajectories']['dropped']}")
     t = summary["trajectories"]
     assert summary["policy_version"] == steps, what
     assert t["started"] == t["trained"] + sum(t["dropped"].values()), what
