@@ -283,7 +283,7 @@ class RolloutDriver:
         lost = []
         for key, cohort in self._cohorts.items():
             if worker in cohort.workers and key not in self._abandoned:
-                self._abandon(key, DropReason.WORKER_LOST, detail)
+                self._abandoned[key] = (DropReason.WORKER_LOST, detail)
                 lost.append(cohort.step)
         # closes aimed at it will never run: forgotten, so that the end of the run does not wait
         self._closing = [f for f in self._closing if f.key not in self._close_worker
@@ -316,13 +316,10 @@ class RolloutDriver:
             else:
                 where = f"prefill/decode of {cohort.env_task} (env_step-{cohort.suffix})"
             logger.warning("watchdog: %s did not answer within %.0f s", where, timeout_s)
-            self._abandon(key, DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: {where} "
-                          f"did not answer within {timeout_s:.0f} s")
+            self._abandoned[key] = (DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: "
+                                    f"{where} did not answer within {timeout_s:.0f} s")
             late.append(cohort.step)
         return late
-
-    def _abandon(self, key: str, reason: DropReason, detail: str) -> None:
-        self._abandoned[key] = (reason, detail)
 
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
