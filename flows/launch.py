@@ -11,6 +11,7 @@ from resources.cluster import ClusterHandle, connect, start_local_cluster
 from resources.hardware import PoolRouter
 from resources.lambda_emulator import LambdaEmulator
 from resources.pools import PoolSpec, Tag
+from resources.worker import quiet_close
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,5 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
 def close_quietly(cluster: ClusterHandle) -> None:
     """Close the cluster in order (:meth:`ClusterHandle.close`); the run is over, so the
     driver's Dask loggers no longer report connections going away while it closes."""
-    for name in ("distributed", "tornado"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    quiet_close()
     cluster.close()

@@ -163,8 +163,8 @@ class TrainingRun:
         self._train_future: Future | None = None
         self._publishing: Future | None = None  # weights on their way to the other shards
         self._training_ids: list[int] = []  # the batch of the running train step
-        self._checkpointing: dict[str, tuple[Future, Path, dict]] = {}
-        self._checkpoint_started: dict[str, float] = {}
+        # periodic checkpoints being written: key -> (future, directory, driver state, started)
+        self._checkpointing: dict[str, tuple[Future, Path, dict, float]] = {}
         self.checkpoint_s: list[float] = []  # each periodic checkpoint, submitted to written
         # futures given up on (a lost worker, a watchdog) -> when (perf_counter)
         self._abandoned: dict[str, float] = {}
@@ -344,7 +344,7 @@ class TrainingRun:
         limit = self.cfg.rollout.end_timeout_s
         if now - self._ending_since <= limit:
             return False
-        loops = [self.events] if self.shards is None else self.shards.loops
+        loops = self._event_loops()
         kinds: Counter[str] = Counter()
         for loop in loops:
             kinds.update(loop.pending_kinds())
@@ -359,6 +359,10 @@ class TrainingRun:
         for driver in self.drivers:
             driver.close_all()
         return True
+
+    def _event_loops(self) -> list[EventLoop]:
+        """Shard 0's event loop, or every rollout shard's."""
+        return [self.events] if self.shards is None else self.shards.loops
 
     def _events_empty(self) -> bool:
         return self.events.empty() if self.shards is None else self.shards.empty()
@@ -391,7 +395,7 @@ class TrainingRun:
                 logger.warning("the train step in flight did not finish: %s", exc)
                 self._drop_training(reason, f"{exc!r}"[:200])
             self._train_future = None
-        for fut, directory, state in self._checkpointing.values():  # let a periodic one land
+        for fut, directory, state, _ in self._checkpointing.values():  # let a periodic one land
             try:
                 fut.result(timeout=TRAIN_STEP_GRACE_S)
                 self._finish_checkpoint(directory, state)
@@ -559,8 +563,7 @@ class TrainingRun:
         late = {k for k, at in self._abandoned.items() if now - at > ABANDON_GRACE_S}
         if not late:
             return
-        loops = [self.events] if self.shards is None else self.shards.loops
-        for ev in [ev for loop in loops for ev in loop.forget(late)]:
+        for ev in [ev for loop in self._event_loops() for ev in loop.forget(late)]:
             logger.warning("%s was cancelled %.0f s ago and has not come back: taken as lost",
                            ev.future.key, now - self._abandoned[ev.future.key])
             self._handlers[ev.kind](ev)
@@ -664,7 +667,7 @@ class TrainingRun:
         worker carrying the tag, now or when one joins."""
         self.trainer.worker = None
         self._cancel([f for f in (self._train_future,) if f is not None])
-        self._cancel([fut for fut, _, _ in self._checkpointing.values()])
+        self._cancel([fut for fut, *_ in self._checkpointing.values()])
         self._train_future = None
         self._checkpointing.clear()
         if self._publishing is not None:  # weights it was publishing for the other shards
@@ -778,18 +781,17 @@ class TrainingRun:
             return
         directory = checkpoints.step_dir(self.run_dir, self.version)
         fut = self.trainer.checkpoint(str(directory), self.version)
-        self._checkpointing[fut.key] = (fut, directory, self.driver_state())
-        self._checkpoint_started[fut.key] = time.perf_counter()
+        self._checkpointing[fut.key] = (fut, directory, self.driver_state(),
+                                        time.perf_counter())
         self.events.track(fut, FutureKind.CHECKPOINT)
 
     def _on_checkpoint(self, ev: Event) -> None:
         entry = self._checkpointing.pop(ev.future.key, None)
-        started = self._checkpoint_started.pop(ev.future.key, None)
         if entry is None or self._lost(ev):  # lost with the trainer's worker
             return
-        _, directory, state = entry
-        if started is not None:  # the trainer's time on it: no train step starts meanwhile
-            self.checkpoint_s.append(time.perf_counter() - started)
+        _, directory, state, started = entry
+        # the trainer's time on it: no train step starts meanwhile
+        self.checkpoint_s.append(time.perf_counter() - started)
         if ev.future.status != "finished":
             raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
         self._finish_checkpoint(directory, state)

@@ -149,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     session = Session.start(overrides=overrides)
     run_dir = Path(args.run_dir)
     samples = []
+    killer = Killer(session, args.kill_every_s, time.perf_counter())
     try:
         run = session.run(overrides=[*overrides, "trainer.max_steps=100000"], run_dir=run_dir)
         t0 = time.perf_counter()
         samples.append(sample(session, run, 0, 0.0))
-        killer = Killer(session, args.kill_every_s, t0).start()
+        killer.t0 = t0
+        killer.start()
         while time.perf_counter() - t0 < args.minutes * 60:
             run.train(args.chunk)
             step = run.version
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         killer.stop()
         summary = run.close()
     finally:
+        killer.stop()
         session.close()
     kills = killer.kills
     t = summary["trajectories"]

@@ -475,18 +475,17 @@ class _InvokeHandler(BaseHTTPRequestHandler):
         self._reply(reply.status, json.dumps(reply.body).encode(),
                     {"x-amzn-RequestId": request_id})
 
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
     def do_GET(self):
         """GetFunction, GetFunctionConfiguration, ListFunctions."""
-        self._discard_body()
+        self._body()  # read, so that the kept-alive connection stays in step
         self._send(self.emulator.catalog.get(self.path), str(uuid.uuid4()))
 
-    def _discard_body(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-
     def _unknown(self):  # what the emulation does not serve, as Lambda's JSON error
-        self._discard_body()
+        self._body()
         self._send(unknown_route(self.command, self.path), str(uuid.uuid4()))
 
     do_PUT = do_DELETE = do_PATCH = _unknown
@@ -497,8 +496,7 @@ class _InvokeHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         em = self.emulator
         request_id = str(uuid.uuid4())
-        length = int(self.headers.get("Content-Length") or 0)
-        payload = self.rfile.read(length) if length else b""
+        payload = self._body()
         segment = invoked_function(self.path)
         if segment is None:
             return self._send(unknown_route("POST", self.path), request_id)

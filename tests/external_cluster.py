@@ -29,14 +29,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from resources.cluster import WORKER_ENV as CLUSTER_WORKER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 # the pools of the embedded default, one worker each, with its slot counts
 POOLS = {"GPU_COMPUTE": 16, "GPU_BANDWIDTH": 16, "CPU_ENV": 16, "TRAINER": 4, "SERVERLESS": 4}
-WORKER_ENV = {"DASK_LOGGING__DISTRIBUTED": "warning", "HF_HUB_OFFLINE": "1",
-              "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
-              # the workers unpickle this module's KillOnce
-              "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                            if p)}
+# the embedded cluster's worker environment; and the workers unpickle this module's KillOnce
+WORKER_ENV = CLUSTER_WORKER_ENV | {
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
 def _free_port() -> int:
