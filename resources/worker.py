@@ -172,7 +172,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
             out["engine"] = self._backend.stats()
         if self._envs is not None:
             out["envs"] = {"live": self._envs.live, "created": self._envs.created,
-                           "closed": self._envs.closed}
+                           "closed": self._envs.closed,
+                           "replays_refused": self._envs.replays_refused}
         if self._trainer is not None:
             out["trainer"] = {"version": self._trainer.version,
                               "emulated_busy_s": getattr(self._trainer, "busy_s", None)}

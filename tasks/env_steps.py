@@ -2,6 +2,14 @@
 
 Instances live in that worker's registry; the trajectory's later steps are pinned to it, so an
 environment's state is never rebuilt by replaying seeds and past actions.
+
+Nor is it replayed by Dask. When a worker is lost, Dask recomputes every result that lived there
+and is still wanted, and for that runs again the tasks it came from whose results were released,
+on the workers still there, pinned ones included (the scheduler's lineage recomputation). A
+decode's result lost with its worker thus re-runs the env_reset and env_step of its turn on the
+environment's worker: the reset would create again an instance already closed (one nothing will
+close), the step would apply an action a second time. The registry refuses both
+(:class:`ReplayedEnvWork`): an instance id is created once, and each step names the step it is.
 """
 
 from __future__ import annotations
@@ -15,27 +23,58 @@ from tasks.policy import encode_first_turn, encode_next_turn
 from tasks.records import EnvHandle, EnvObservation, TurnSample
 
 
+class ReplayedEnvWork(RuntimeError):
+    """An env_reset or env_step run a second time (see the module docstring)."""
+
+
 class EnvRegistry:
-    """Environment instances of one worker, by id, with a live-instance count."""
+    """Environment instances of one worker, by id, with a live-instance count, the number of
+    steps applied to each, and the ids of every instance created (a reset run again must not
+    revive a closed one)."""
 
     def __init__(self, address: str, time_scale: float = 1.0):
         self.address = address
         # environments that emulate remote latency (they take a time_scale) wait this much less
         self.time_scale = time_scale
         self._envs: dict[str, Any] = {}
+        self._steps: dict[str, int] = {}  # steps applied to each live instance
+        self._created_ids: set[str] = set()  # every instance's, closed ones too (~100 B each)
         self._lock = threading.Lock()
         self.created = 0
         self.closed = 0
+        self.replays_refused = 0
 
     def create(self, spec: dict, instance_id: str) -> Any:
+        """A new instance under ``instance_id``, which the driver never gives twice: one
+        created before (live or closed) means the reset was run again, and is refused."""
+        with self._lock:
+            if instance_id in self._created_ids:
+                self.replays_refused += 1
+                raise ReplayedEnvWork(f"environment {instance_id} was created on {self.address}"
+                                      f" before: its reset was run again (a lost result "
+                                      f"recomputed); not created twice")
+            self._created_ids.add(instance_id)
         scaled = (self.time_scale != 1.0 and "time_scale" not in spec
                   and accepts(resolve(spec[COMPONENT]), "time_scale"))
         env = instantiate(spec, **({"time_scale": self.time_scale} if scaled else {}))
         with self._lock:
-            if instance_id in self._envs:
-                raise KeyError(f"environment {instance_id} already exists on {self.address}")
             self._envs[instance_id] = env
+            self._steps[instance_id] = 0
             self.created += 1
+        return env
+
+    def step(self, instance_id: str, index: int) -> Any:
+        """The instance, to apply its step ``index`` (0: the first after the reset): a step
+        already applied (a recomputation) is refused."""
+        with self._lock:
+            env = self.get(instance_id)
+            done = self._steps[instance_id]
+            if done != index:
+                self.replays_refused += 1
+                raise ReplayedEnvWork(f"environment {instance_id} on {self.address} is past "
+                                      f"step {index} ({done} applied): its step was run again "
+                                      f"(a lost result recomputed); not applied twice")
+            self._steps[instance_id] = done + 1
         return env
 
     def get(self, instance_id: str) -> Any:
@@ -49,6 +88,7 @@ class EnvRegistry:
             env = self._envs.pop(instance_id, None)
             if env is not None:
                 self.closed += 1
+                del self._steps[instance_id]
         if env is None:
             return False
         env.close()
@@ -79,7 +119,7 @@ def env_step(registry, tokenizer, prev: EnvObservation, sample: TurnSample) -> E
     trajectory's tokens in order without fetching earlier results."""
     t0 = time.perf_counter()
     handle = prev.handle
-    env = registry.get(handle.instance_id)
+    env = registry.step(handle.instance_id, prev.env_steps)
     text, reward, terminated, truncated, info = env.step(sample.text)
     done = terminated or truncated
     if done:
@@ -91,6 +131,7 @@ def env_step(registry, tokenizer, prev: EnvObservation, sample: TurnSample) -> E
         handle=handle, text=text, input_ids=input_ids, reward=float(reward),
         terminated=bool(terminated), truncated=bool(truncated), info=dict(info), sample=sample,
         consumed_ids=list(prev.input_ids), step_seconds=time.perf_counter() - t0,
+        env_steps=prev.env_steps + 1,
     )
 
 

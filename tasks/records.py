@@ -124,6 +124,7 @@ class EnvObservation:
     sample: TurnSample | None = None  # the action that produced this observation
     consumed_ids: list[int] = field(default_factory=list)  # the ids read before that action
     step_seconds: float = 0.0
+    env_steps: int = 0  # steps applied to the instance when this was observed (0: the reset)
 
     @property
     def done(self) -> bool:

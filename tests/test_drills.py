@@ -20,7 +20,10 @@ import time
 import pytest
 
 from flows.api import Session
+from resources.worker import plain, with_envs, with_registry, worker_report
+from tasks.env_steps import env_close, env_reset, env_step
 from tasks.generation import load_weights
+from tasks.records import TurnSample
 from tasks.stages import Stages
 from tasks.trainer import save_checkpoint, train_step
 from tests.external_cluster import (
@@ -141,6 +144,61 @@ def test_train_py_on_an_external_cluster_survives_a_killed_decode_worker(fresh, 
     _finished(summary, STEPS, what)
     assert any(c["change"] == "left" for c in summary["faults"]["worker_changes"]), what
     assert "Traceback" not in err and " ERROR " not in err, what
+
+
+def test_dask_recomputing_a_lost_result_does_not_replay_an_environment(session, fresh,
+                                                                       tmp_path):
+    """Dask recomputes a result lost with its worker from the tasks it came from, running
+    again those whose results were released, pinned ones on the workers still there. A decode
+    worker's loss thus re-ran the reset of a turn's environment (an instance already closed
+    came back, and nothing closed it: live instances at the end of a drill) and its step (an
+    action applied twice). The environment worker refuses both; the tasks that needed them
+    fail instead, and no instance is left behind."""
+    run = session.run(overrides=[*QUIET, "trainer.max_steps=1"], run_dir=tmp_path / "run")
+    client = session.client
+    workers = fresh.workers_by_tag()
+    env_w, dec_w = workers["CPU_ENV"], workers["GPU_BANDWIDTH"]
+    spec = next(iter(run._run.driver.env_specs.values()))
+    sample = TurnSample([0], [0.0], [0], "no answer", stopped=True, context_full=False,
+                        decode_tokens_processed=1)
+
+    def on(worker, fn, *args):
+        return client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
+
+    # a: reset, a result on the decode worker made from it, then closed (its trajectory over)
+    reset_a = on(env_w, with_envs, env_reset, spec, 1, "drill.a.0")
+    held_a = on(dec_w, plain, repr, reset_a)
+    held_a.result()
+    assert on(env_w, with_registry, env_close, reset_a.result().handle).result()
+    # b: reset (kept), one step, a result on the decode worker made from the step
+    reset_b = on(env_w, with_envs, env_reset, spec, 2, "drill.b.0")
+    step_b = on(env_w, with_envs, env_step, reset_b, sample)
+    held_b = on(dec_w, plain, repr, step_b)
+    held_b.result()
+    keys = [reset_a.key, step_b.key]
+    del reset_a, step_b  # released: only their lineage remains, as with a turn's tasks
+    time.sleep(0.5)
+    fresh.kill("GPU_BANDWIDTH")  # held_a, held_b lost: Dask recomputes what they came from
+
+    def states() -> dict:
+        return client.run_on_scheduler(
+            lambda dask_scheduler, keys=keys: {k: dask_scheduler.tasks[k].state
+                                               for k in keys if k in dask_scheduler.tasks})
+
+    deadline = time.monotonic() + 60
+    while set(states().values()) - {"memory", "erred"}:
+        assert time.monotonic() < deadline, f"not recomputed: {states()}"
+        time.sleep(0.2)
+    envs = client.run(worker_report, workers=[env_w])[env_w]["envs"]
+    replayed = client.run_on_scheduler(
+        lambda dask_scheduler, keys=keys: [dask_scheduler.tasks[k].exception_text
+                                           for k in keys])
+    del held_a, held_b
+    assert envs["live"] == 1, envs  # b alone: a not created again
+    assert envs.get("replays_refused") == 2, envs
+    assert all("was run again" in (r or "") for r in replayed), replayed
+    assert on(env_w, with_registry, env_close, reset_b.result().handle).result()
+    run.close()
 
 
 def test_the_trainer_killed_mid_step_with_the_default_config_resumes(session, fresh, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tasks.env_steps import EnvRegistry, ReplayedEnvWork
 from tasks.envs.base import TextEnv
 from tasks.envs.frozenlake import FrozenLakeText, parse_action
 from tasks.envs.guess_number import GuessNumber
@@ -134,3 +135,18 @@ def test_reset_is_deterministic_per_seed():
     assert secret(11) == secret(11) and len({secret(s) for s in range(20)}) > 1
     with pytest.raises(ValueError, match="observation: grid"):
         FrozenLakeText(map_name="random")
+
+
+def test_the_registry_refuses_a_reset_or_step_run_twice():
+    """Dask may run an env task again (recomputing a lost result's lineage): an instance id is
+    created once, closed ones included, and each step must be the next one."""
+    registry = EnvRegistry("w")
+    spec = {"_component_": GuessNumber}
+    registry.create(spec, "r.1.0")
+    registry.step("r.1.0", 0)
+    with pytest.raises(ReplayedEnvWork, match="past step 0"):
+        registry.step("r.1.0", 0)
+    assert registry.close("r.1.0")
+    with pytest.raises(ReplayedEnvWork, match="created on w before"):
+        registry.create(spec, "r.1.0")
+    assert (registry.live, registry.created, registry.replays_refused) == (0, 1, 2)
