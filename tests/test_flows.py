@@ -55,6 +55,27 @@ def _check_accounting(summary):
     assert summary["live_env_instances_at_end"] == 0
 
 
+def _noise(proc) -> list[str]:
+    """What a successful run must not print: a traceback, an error, a warning from Dask."""
+    return [ln for ln in (proc.stdout + proc.stderr).splitlines()
+            if "Traceback" in ln or " ERROR " in ln or "Error:" in ln
+            or re.search(r"distributed\.[\w.]+ - (WARNING|ERROR|CRITICAL)", ln)]
+
+
+@pytest.mark.long
+def test_ten_default_runs_in_a_row_end_quietly(tmp_path):
+    """The intermittent case (a heartbeat racing the scheduler's exit logged an error after
+    the run's ``done:`` line in about one run of several): ten short default runs, each
+    quiet."""
+    noisy = {}
+    for i in range(10):
+        proc = _train(SHORT + ["metrics.curves=false", "metrics.performance_report=false"],
+                      tmp_path / f"run{i}")
+        if _noise(proc):
+            noisy[i] = _noise(proc)[:5]
+    assert not noisy, noisy
+
+
 def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     run = tmp_path / "run"
     proc = _train(SHORT, run)
@@ -64,8 +85,7 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     assert (run / "curves.png").stat().st_size > 10_000
     assert (run / "dask-report.html").stat().st_size > 10_000
     # a successful run ends quietly: no traceback, no error logged while the cluster closes
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert not [ln for ln in proc.stderr.splitlines() if " ERROR " in ln or "Error:" in ln]
+    assert not _noise(proc), _noise(proc)
     assert (run / "config.yaml").read_text().startswith("seed:")
     lines = read_metrics(run)
     assert [m["train/step"] for m in lines] == [1, 2]
