@@ -150,10 +150,10 @@ def test_dask_recomputing_a_lost_result_does_not_replay_an_environment(session, 
                                                                        tmp_path):
     """Dask recomputes a result lost with its worker from the tasks it came from, running
     again those whose results were released, pinned ones on the workers still there. A decode
-    worker's loss thus re-ran the reset of a turn's environment (an instance already closed
-    came back, and nothing closed it: live instances at the end of a drill) and its step (an
-    action applied twice). The environment worker refuses both; the tasks that needed them
-    fail instead, and no instance is left behind."""
+    worker's loss thus runs again the reset of a turn's environment (an instance already closed
+    would come back with nothing to close it: live instances at the end of a drill) and its
+    step (an action applied twice). The environment worker refuses both; the tasks that needed
+    them fail instead, and no instance is left behind."""
     run = session.run(overrides=[*QUIET, "trainer.max_steps=1"], run_dir=tmp_path / "run")
     client = session.client
     workers = fresh.workers_by_tag()
