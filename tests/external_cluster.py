@@ -167,10 +167,12 @@ class KillOnce:
 
 
 def random_moment(seed: int, steps: int) -> tuple[int, float]:
-    """A kill moment of a run of ``steps`` steps: the batch cut of a step in 2..steps-1, then
-    a delay of 0-2 s (train step, weight loads and the next turns are in flight then)."""
+    """A kill moment of a run of ``steps`` steps: the batch cut of a step in 2..steps-2, then
+    a delay of 0-2 s (train step, weight loads and the next turns are in flight then). Two
+    steps are left after the cut, so that the kill falls while the run trains (a step can take
+    under a second)."""
     rng = random.Random(seed)
-    return rng.randint(2, max(2, steps - 1)), round(rng.uniform(0.0, 2.0), 2)
+    return rng.randint(2, max(2, steps - 2)), round(rng.uniform(0.0, 2.0), 2)
 
 
 def drill_seed(default: int) -> int:

@@ -78,10 +78,13 @@ def _steps(run) -> list[int]:
 
 
 def _kill_at(run, cluster: ExternalCluster, tags: list[str], step: int, delay: float,
-             gap: float = 1.0) -> list[dict]:
+             steps: int, gap: float = 1.0) -> list[dict]:
     """SIGKILL the workers of ``tags`` (``gap`` s apart) ``delay`` s after the batch of
-    ``step`` is cut."""
+    ``step`` is cut. The cut of the last step (``steps``) waits for the kills: a step can
+    take under a second, and a kill must fall while the run trains, not after its end (or in
+    the next drill)."""
     killed: list[dict] = []
+    timers: list[threading.Timer] = []
 
     def kill_all() -> None:
         for i, tag in enumerate(tags):
@@ -90,8 +93,11 @@ def _kill_at(run, cluster: ExternalCluster, tags: list[str], step: int, delay: f
             killed.append(cluster.kill(tag))
 
     def on_cut(train_step: int, _trajectories) -> None:
-        if train_step == step and not killed:
-            threading.Timer(delay, kill_all).start()
+        if train_step == step and not timers:
+            timers.append(threading.Timer(delay, kill_all))
+            timers[0].start()
+        elif train_step == steps and timers:
+            timers[0].join(timeout=60)
 
     run._run.batch_callbacks.append(on_cut)
     return killed
@@ -103,7 +109,7 @@ def _drill(session, cluster, tmp_path, tags: list[str], seed: int, steps: int = 
     what = f"drill {tags} at the cut of step {step} + {delay} s (ROLLARC_DRILL_SEED={seed})"
     run = session.run(overrides=[*QUIET, f"trainer.max_steps={steps}", *overrides],
                       run_dir=tmp_path / "run")
-    killed = _kill_at(run, cluster, tags, step, delay, gap)
+    killed = _kill_at(run, cluster, tags, step, delay, steps, gap)
     run.train()
     summary = run.close()
     assert len(killed) == len(tags), f"{what}: the kills did not all happen"
