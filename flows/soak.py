@@ -105,13 +105,15 @@ class Killer:
     """SIGKILLs a worker of each pool in turn, every ``every_s`` seconds, from a thread of its
     own: the kills land while the run trains, at moments the run does not choose."""
 
-    def __init__(self, session: Session, every_s: float, t0: float):
-        self.session, self.every_s, self.t0 = session, every_s, t0
+    def __init__(self, session: Session, every_s: float):
+        self.session, self.every_s, self.t0 = session, every_s, 0.0
         self.kills: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="soak-killer")
 
-    def start(self) -> Killer:
+    def start(self, t0: float) -> Killer:
+        """Kill from now on; kill times are reported from ``t0`` (perf_counter)."""
+        self.t0 = t0
         if self.every_s:
             self._thread.start()
         return self
@@ -149,13 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     session = Session.start(overrides=overrides)
     run_dir = Path(args.run_dir)
     samples = []
-    killer = Killer(session, args.kill_every_s, time.perf_counter())
+    killer = Killer(session, args.kill_every_s)
     try:
         run = session.run(overrides=[*overrides, "trainer.max_steps=100000"], run_dir=run_dir)
         t0 = time.perf_counter()
         samples.append(sample(session, run, 0, 0.0))
-        killer.t0 = t0
-        killer.start()
+        killer.start(t0)
         while time.perf_counter() - t0 < args.minutes * 60:
             run.train(args.chunk)
             step = run.version
