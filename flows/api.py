@@ -46,11 +46,11 @@ from flows.config import (
     validate,
     with_overrides,
 )
-from flows.dump import TrajectoryDump
-from flows.launch import close_quietly, make_cluster, pool_router, start_reward_service
-from flows.lifecycle import DropReason, TrajectoryLedger, Transition
-from flows.metrics import ProgressLine, RowsSink, check_sinks, make_sinks
-from flows.monitor import (
+from flows.config.choices import RewardBackend
+from flows.config.derived import tls_security, with_env_faults
+from flows.monitoring.dump import TrajectoryDump
+from flows.monitoring.metrics import ProgressLine, RowsSink, check_sinks, make_sinks
+from flows.monitoring.monitor import (
     DashboardSink,
     RecordKind,
     announce,
@@ -59,9 +59,11 @@ from flows.monitor import (
     publish,
     register_page_before_start,
 )
-from flows.plot import draw_curves
-from flows.run import PoolLost, TrainingRun
-from flows.shards import close_shards, start_rollout_shards
+from flows.monitoring.plot import draw_curves
+from flows.training.launch import close_quietly, make_cluster, pool_router, start_reward_service
+from flows.training.lifecycle import DropReason, TrajectoryLedger, Transition
+from flows.training.run import PoolLost, TrainingRun
+from flows.training.shards import close_shards, start_rollout_shards
 from resources.cluster import ClusterHandle, connect
 from resources.lambda_emulator import LambdaEmulator
 from tasks.components import check_component
@@ -136,7 +138,7 @@ class Session:
         ``resources.hardware`` preload) are pooled and tagged by the affinity cost model of the
         config (default: the embedded default); others keep their ``--resources`` tags. A
         config given is what the session's runs start from; a ``tls://`` scheduler takes
-        ``security`` (``cfg.cluster.tls.security()``)::
+        ``security`` (``tls_security(cfg.cluster.tls)``)::
 
             session = Session.connect("tcp://10.0.0.5:8786")
         """
@@ -240,7 +242,7 @@ class Run:
                                cfg.model_dump(mode="json", fallback=str))
         self.sink.add(self.rows)
         try:
-            if reward_service is None and cfg.reward.backend == "lambda":
+            if reward_service is None and cfg.reward.backend == RewardBackend.LAMBDA:
                 reward_service = self._own_service = start_reward_service(cfg)
             client = session.client
             live = None
@@ -314,7 +316,7 @@ class Run:
         if env_task not in specs:
             raise KeyError(f"no env task {env_task!r}; env tasks: {sorted(specs)}")
         check_component(env)
-        specs[env_task] = self.cfg.faults.env_spec(env)
+        specs[env_task] = with_env_faults(self.cfg.faults, env)
 
     def metrics(self, kind: str = "train"):
         """The run's rows as a pandas DataFrame: ``train`` (indexed by ``train/step``) or
@@ -331,7 +333,7 @@ class Run:
         as a DataFrame: where the run's time went."""
         import pandas as pd
 
-        from flows.monitor import span_times
+        from flows.monitoring.monitor import span_times
 
         times = self.session.client.run_on_scheduler(span_times, self._run.run_id)
         rows = [{"span": k, "env_task": k.split("/")[0], "stage": k.split("/")[1], **v}
@@ -466,7 +468,7 @@ def run_training(cfg: TrainConfig, run_dir: str | Path, *, scheduler: str | None
     try:
         if scheduler:
             session = Session.connect(scheduler, cfg.cluster.startup_timeout_s, cfg,
-                                      security=cfg.cluster.tls.security())
+                                      security=tls_security(cfg.cluster.tls))
         else:
             session = Session.start(cfg)
         dashboard(f"Dask dashboard: {session.dashboard_link}")

@@ -42,8 +42,9 @@ import yaml
 from rich.console import Console
 
 from flows.api import run_training
-from flows.bench_report import markdown_table, run_figures, save_timelines, system_table
+from flows.benchmarks.report import markdown_table, run_figures, save_timelines, system_table
 from flows.config import TrainConfig, load_config
+from flows.config.derived import effective_pools
 from resources.catalog import get_profile
 from resources.pools import Role
 
@@ -87,7 +88,7 @@ def hardware_of(cfg: TrainConfig) -> str:
     """'8 H800 + 4 H20 ($24.0/h)': the GPUs a config's effective pools hold."""
     parts: dict[str, int] = {}
     cost = 0.0
-    for p in cfg.effective_pools():
+    for p in effective_pools(cfg):
         hw = get_profile(p.profile, cfg.affinity.profiles)
         if hw.accelerator:
             parts[hw.name] = parts.get(hw.name, 0) + p.workers * p.gpus

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flows.bench_report import markdown_table
+from flows.benchmarks.report import markdown_table
 from resources.pools import Tag, tags_of
 from tasks.hc_pinn.boundary import COMMON, BoundarySpec
 from tasks.hc_pinn.ntk import analyse

@@ -31,15 +31,24 @@ import sys
 import time
 
 from flows.config import ConfigError, TrainConfig, load_config, reward_callables, validate
-from flows.episode import (
+from flows.config.derived import (
+    batch_trajectories,
+    effective_pools,
+    emulation,
+    pool_hardware,
+    reward_client_settings,
+    reward_name,
+    trainer_hparams,
+)
+from flows.monitoring.metrics import batch_metrics
+from flows.training.episode import (
     RolloutRecord,
     sampling_params,
     score_requests,
     turn_ends,
 )
-from flows.metrics import batch_metrics
-from flows.orchestration import GroupCollector, GroupDraw, decode_seed
-from flows.workload import turn_shape
+from flows.training.orchestration import GroupCollector, GroupDraw, decode_seed
+from flows.training.workload import turn_shape
 from resources.catalog import HardwareProfile
 from resources.engine import backend_context
 from resources.reward_backends import build_reward_client
@@ -58,21 +67,21 @@ def run_reference(cfg: TrainConfig, stages: Stages | None = None) -> list[dict]:
     cfg = validate(cfg)
     st = stages or Stages()
     # -- the parts: one inference backend, one trainer, environments, a reward client ---------
-    pools = cfg.effective_pools()
-    profile, gpus = cfg.pool_hardware()[pools[0].name]
+    pools = effective_pools(cfg)
+    profile, gpus = pool_hardware(cfg)[pools[0].name]
     backend = instantiate(cfg.engine.backend, policy=cfg.policy, max_batch=1, **backend_context(
         resolve(cfg.engine.backend[COMPONENT]), HardwareProfile(**profile), gpus,
-        cfg.engine.emulation() or {}, "reference"))
-    trainer = instantiate(cfg.trainer.backend, policy=cfg.policy, hparams=cfg.trainer_hparams(),
+        emulation(cfg.engine) or {}, "reference"))
+    trainer = instantiate(cfg.trainer.backend, policy=cfg.policy, hparams=trainer_hparams(cfg),
                           seed=cfg.seed, loss=bind(cfg.trainer.loss))
     tokenizer = load_tokenizer(cfg.policy)
     envs = EnvRegistry("reference")
-    reward_client = build_reward_client(cfg.reward.client_settings(None) | {"backend": "local"},
+    reward_client = build_reward_client(reward_client_settings(cfg.reward, None) | {"backend": "local"},
                                         cfg.reward.lambda_function, reward_callables(cfg))
-    reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
+    reward_fns = {t.name: reward_name(t) for t in cfg.env_tasks}
     sampling = sampling_params(cfg)
     draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
-    batch_size = cfg.batch_trajectories()
+    batch_size = batch_trajectories(cfg)
     st.load_weights(backend, st.publish_weights(trainer))  # the engine starts on v0
     version, next_id, rows, t0 = 0, 0, [], time.perf_counter()
 

@@ -1,9 +1,9 @@
 """Simulate RollArc on a cluster you do not have: time per step of RollArc and its baselines,
 pool utilisation, the best split of a budget, and the load on the Dask scheduler and driver.
 
-The simulator (:mod:`flows.simulation`) runs the flow's own decision functions and the device
+The simulator (:mod:`flows.simulation.simulator`) runs the flow's own decision functions and the device
 model of the emulated backend on a virtual clock. It reads the YAML ``flows/train.py`` reads,
-plus an optional ``simulate:`` section (:class:`flows.simulation.SimSettings`: cluster size,
+plus an optional ``simulate:`` section (:class:`flows.simulation.simulator.SimSettings`: cluster size,
 hours, turns per trajectory, scheduler and driver costs, shards); dotted overrides work on both
 (``simulate.gpus=1024``).
 
@@ -13,7 +13,7 @@ hours, turns per trajectory, scheduler and driver costs, shards); dotted overrid
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --sweep 64 256 1024 4096
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --split-search
     python flows/simulate.py --validate runs/bench/long_tail              # against a bench run
-    python flows/bench_scheduler.py && python flows/simulate.py --config config/bench/long_tail.yaml \
+    python -m flows.benchmarks.scheduler && python flows/simulate.py --config config/bench/long_tail.yaml \
         --capacity runs/bench_scheduler/capacity.json --load 256 1024 4096   # scheduler load
 
 Where it departs from the Dask flow, on purpose: environments and the policy do not run, so the
@@ -35,20 +35,18 @@ from pathlib import Path
 from rich.console import Console
 
 from flows.bench import gpu_cost
-from flows.bench_report import markdown_table
+from flows.benchmarks.report import markdown_table
 from flows.config import (
     ConfigError,
     TrainConfig,
-    _apply_overrides,
-    _check_path,
-    _parse_value,
-    _validated,
     load_config,
     read_config_file,
+    validated,
     with_overrides,
 )
-from flows.metrics import read_metrics
-from flows.simulation import SimResult, SimSettings, simulate
+from flows.config.overrides import apply_overrides, check_path, parse_value
+from flows.monitoring.metrics import read_metrics
+from flows.simulation.simulator import SimResult, SimSettings, simulate
 from resources.catalog import get_profile
 from resources.pools import Role
 
@@ -67,8 +65,8 @@ def load(path: str | Path, overrides: list[str] = ()) -> tuple[TrainConfig, SimS
     data = read_config_file(Path(path))
     sim = data.pop("simulate", None) or {}
     train, settings = split_overrides(overrides)
-    _apply_overrides(data, train)
-    cfg, sim_cfg = _validated(data), sim_settings(sim, settings)
+    apply_overrides(data, train)
+    cfg, sim_cfg = validated(data), sim_settings(sim, settings)
     names = {t.name for t in cfg.env_tasks}
     for name in sim_cfg.turns:
         if name not in names:
@@ -90,11 +88,11 @@ def sim_settings(section: dict, overrides: list[str] = ()) -> SimSettings:
     for item in overrides:
         key, _, raw = item.partition("=")
         parts = key.strip().split(".")[1:]
-        _check_path(SimSettings, parts[:1], key)
+        check_path(SimSettings, parts[:1], key)
         node = section
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_value(raw)
+        node[parts[-1]] = parse_value(raw)
     try:
         return SimSettings.model_validate(section)
     except Exception as exc:  # pydantic's ValidationError: name the key
@@ -151,7 +149,7 @@ def run_systems(cfg: TrainConfig, sim: SimSettings, systems=SYSTEMS) -> dict[str
 
 def capacity_costs(capacity: dict) -> dict:
     """The scheduler's and the driver's price per task and per completion, from
-    ``flows/bench_scheduler.py``'s JSON: the dynamic measurement at its best concurrency (the
+    ``flows/benchmarks/scheduler.py``'s JSON: the dynamic measurement at its best concurrency (the
     driver's pattern), and the capacities they imply (one core each)."""
     dynamic = capacity.get("dynamic") or []
     best = max(dynamic, key=lambda d: d["turns_per_s"]) if dynamic else capacity
@@ -432,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_DIR",
                    help="simulate each system of these bench runs and compare")
     p.add_argument("--capacity", default=None, help="scheduler capacity JSON of "
-                   "flows/bench_scheduler.py (sets the scheduler and driver costs)")
+                   "flows/benchmarks/scheduler.py (sets the scheduler and driver costs)")
     p.add_argument("--out", default=None, help="output directory (default runs/simulate)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides (simulate.* too)")
     args = p.parse_args(argv)
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 capacity = capacity_costs(json.loads(Path(args.capacity).read_text()))
             except (OSError, ValueError, KeyError) as exc:
                 raise ConfigError(f"--capacity: {args.capacity} is not a capacity.json of "
-                                  f"flows/bench_scheduler.py ({exc!r})") from None
+                                  f"flows/benchmarks/scheduler.py ({exc!r})") from None
             sim = sim.model_copy(update={
                 "scheduler_us_per_task": capacity["scheduler_us_per_task"],
                 "driver_us_per_event": capacity["driver_us_per_event"]})
@@ -500,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.load is not None:
         if not capacity:
-            p.error("--load needs --capacity (flows/bench_scheduler.py's capacity.json)")
+            p.error("--load needs --capacity (flows/benchmarks/scheduler.py's capacity.json)")
         points = load_study(cfg, sim, args.load or list(DEFAULT_SWEEP))
         (out / "load.json").write_text(json.dumps({"capacity": capacity, "points": points},
                                                   indent=1))

@@ -47,11 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-from flows import checkpoints
-from flows.api import run_training
 from flows.config import ConfigError, load_config
-from flows.launch import RewardServiceError
-from flows.lifecycle import RunFailing
+from flows.training import checkpoints
 
 logger = logging.getLogger("rollarc")
 
@@ -131,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resuming {run_dir} at policy version {resumed_version} ({dropped} metric rows "
               "after it dropped)", flush=True)
     signal.signal(signal.SIGTERM, _terminate)
+    # the training stack (torch, transformers, Dask) is imported once the config is known good,
+    # so that a bad key or value is reported at once
+    from flows.api import run_training
+    from flows.training.launch import RewardServiceError
+    from flows.training.lifecycle import RunFailing
+
     try:
         summary = run_training(cfg, run_dir, scheduler=args.scheduler,
                                dashboard=lambda line: print(line, flush=True))
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           f"run dir {run_dir}", flush=True)
     r = summary["reward"]
     if cfg.metrics.curves:
-        print(f"curves: {run_dir / 'curves.png'} (python -m flows.plot {run_dir})", flush=True)
+        print(f"curves: {run_dir / 'curves.png'} (python -m flows.monitoring.plot {run_dir})", flush=True)
     if cfg.metrics.performance_report:
         print(f"Dask performance report: {run_dir / 'dask-report.html'}", flush=True)
     print(f"reward: {r['invocations']} invocations, {r['mean_batch']:.1f} trajectories per "

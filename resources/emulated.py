@@ -43,8 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile
 from resources.device_model import DeviceModel, ModelName, model_spec
-from tasks.policy import PolicySpec
 from tasks.records import DecodeOutput, SamplingParams, TrainBatch, TrainStats, TurnShape
+from tasks.specs import PolicySpec
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from resources.catalog import HardwareProfile
 from tasks.components import accepts
 from tasks.generation import kv_decode, kv_prefill
-from tasks.policy import PolicySpec, kv_geometry, load_policy, stop_token_ids
+from tasks.policy import kv_geometry, load_policy, stop_token_ids
 from tasks.records import (
     DecodeOutput,
     KVCache,
@@ -39,6 +39,7 @@ from tasks.records import (
     TurnShape,
     WeightsSnapshot,
 )
+from tasks.specs import PolicySpec
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ class Role(StrEnum):
 
 
 # The per-stage demand, declared once. Weight loading runs on the inference pool it loads into
-# (see flows/trainer_handle.py).
+# (see flows/training/trainer_handle.py).
 STAGE_TAG: dict[Stage, Tag] = {
     Stage.PREFILL: Tag.GPU_COMPUTE,
     Stage.DECODE: Tag.GPU_BANDWIDTH,

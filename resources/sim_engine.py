@@ -6,7 +6,7 @@ admission under KV memory and ``max_seqs``, prefill chunks of ``chunk_tokens`` b
 decodes as mixed steps, decode-only runs up to the next finish, cut at a step boundary by an
 arrival, weight loads and colocated training as pauses between steps), with step times from
 :class:`resources.device_model.DeviceModel`; instead of sleeping it schedules its step ends on a
-:class:`Clock`. :mod:`flows.simulation` drives these with the flow's decisions.
+:class:`Clock`. :mod:`flows.simulation.simulator` drives these with the flow's decisions.
 """
 
 from __future__ import annotations

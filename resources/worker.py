@@ -25,8 +25,9 @@ from resources.engine import backend_context
 from tasks.components import COMPONENT, bind, instantiate, resolve
 from tasks.env_steps import EnvRegistry
 from tasks.inference import InferenceBackend
-from tasks.policy import PolicySpec, load_tokenizer
-from tasks.trainer import Trainer, TrainerHParams
+from tasks.policy import load_tokenizer
+from tasks.specs import PolicySpec, TrainerHParams
+from tasks.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ import functools
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -20,38 +19,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from tasks.specs import PolicySpec
 from tasks.tiny_tokenizer import (  # noqa: F401  (build_tokenizer, spell re-exported)
     build_tokenizer,
-    check_word_sets,
     spell,
 )
-
-
-class PolicySpec(BaseModel):
-    """How to build the policy on any worker."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(default=None, description="Hugging Face model directory; null = tiny")
-    model_type: str = Field(default="qwen2", description="transformers model_type of the tiny policy")
-    architecture: dict = Field(
-        default_factory=lambda: dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=512, tie_word_embeddings=True),
-        description="Config kwargs of the tiny policy (vocab_size comes from the tokenizer)",
-    )
-    word_sets: list[str] = Field(
-        default_factory=list, description="Whole-word sets added to the tiny policy's tokenizer "
-        "(tasks.tiny_tokenizer.WORD_SETS, e.g. [hc_pinn]); ignored with path")
-    init_seed: int = Field(default=0, description="Seed of the random initialisation")
-    max_context: int = Field(default=256, ge=8, description="Context limit in tokens")
-    system_prompt: str | None = Field(default=None, description="Optional system message")
-
-    @field_validator("word_sets")
-    @classmethod
-    def _known_word_sets(cls, v: list[str]) -> list[str]:
-        check_word_sets(v)
-        return v
 
 
 def load_tokenizer(spec: PolicySpec) -> PreTrainedTokenizerFast:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -96,6 +99,10 @@ def vocabulary(word_sets: Sequence[str] = ()) -> dict[str, int]:
 def build_tokenizer(word_sets: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """The shipped tokenizer (see module docstring) with a compact chat template, plus the
     whole words of ``word_sets``."""
+    # transformers is imported here, not above: the word sets are checked when a config is
+    # loaded, which must not pay for importing transformers and torch
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.WordPiece(vocab=vocabulary(word_sets), unk_token="<unk>",
                                      continuing_subword_prefix=PREFIX,
                                      max_input_chars_per_word=MAX_PIECE_CHARS))

@@ -16,11 +16,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.losses import LossFn, decoupled_ppo_loss
-from tasks.policy import PolicySpec, load_policy, save_policy
+from tasks.policy import load_policy, save_policy
 from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
+from tasks.specs import PolicySpec, TrainerHParams
 
 
 @runtime_checkable
@@ -48,24 +48,6 @@ class Trainer(Protocol):
     def save_checkpoint(self, run_dir: str) -> str: ...
 
     def load_checkpoint(self, path: str) -> int: ...
-
-
-class TrainerHParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(default=3e-3, gt=0, description="AdamW learning rate")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm")
-    ppo_epochs: int = Field(default=1, ge=1, description="Passes over each batch")
-    minibatches: int = Field(default=4, ge=1, description="Optimiser steps per pass")
-    clip_eps: float = Field(default=0.2, gt=0, description="PPO ratio clip")
-    tis_cap: float = Field(default=2.0, gt=0, description="Truncation of the behaviour IS weight")
-    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature (log-probs)")
-    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus coefficient")
-    lr_final_ratio: float = Field(default=1.0, gt=0, le=1,
-                                  description="Linear decay of the lr to this fraction")
-    total_steps: int | None = Field(default=None, ge=1,
-                                    description="Steps the decay spans (the flow sets max_steps)")
 
 
 class PolicyTrainer:

@@ -13,8 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from resources.engine import HFBackend, InferenceEngine  # noqa: E402
-from tasks.policy import PolicySpec, load_policy, stop_token_ids  # noqa: E402
+from tasks.policy import load_policy, stop_token_ids  # noqa: E402
 from tasks.records import EnvHandle, EnvObservation  # noqa: E402
+from tasks.specs import PolicySpec  # noqa: E402
 
 
 @pytest.fixture(scope="session")

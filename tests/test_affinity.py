@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flows.config import load_config
+from flows.config.derived import effective_pools
 from resources.affinity import Objective, Workload, pool_tags, route, stage_time
 from resources.catalog import CATALOG, get_profile
 from resources.pools import PoolSpec, Role, Stage, Tag
@@ -46,7 +47,7 @@ def test_one_device_kind_colocates():
 
 def test_monolithic_is_one_pool_with_every_tag():
     cfg = load_config(overrides=["placement=monolithic"])
-    pools = cfg.effective_pools()
+    pools = effective_pools(cfg)
     # one pool carries every hardware tag; reward dispatch keeps its own pool
     assert [p.role for p in pools] == [Role.ALL, Role.SERVERLESS]
     assert pools[0].workers == sum(p.workers for p in cfg.cluster.pools
@@ -60,7 +61,7 @@ def test_monolithic_is_one_pool_with_every_tag():
 
 def test_default_config_tags():
     cfg = load_config()
-    pools = cfg.effective_pools()
+    pools = effective_pools(cfg)
     tags = pool_tags(pools, route(pools, cfg.affinity.workload, cfg.affinity.objective))
     assert tags == {"compute": [Tag.GPU_COMPUTE], "bandwidth": [Tag.GPU_BANDWIDTH],
                     "env": [Tag.CPU_ENV], "trainer": [Tag.TRAINER], "reward": [Tag.SERVERLESS]}

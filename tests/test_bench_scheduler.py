@@ -1,4 +1,4 @@
-"""flows/bench_scheduler.py with tiny budgets: the figures' structure and counts (never their
+"""flows/benchmarks/scheduler.py with tiny budgets: the figures' structure and counts (never their
 values), the JSON round trip, no process left behind, and the script as a user runs it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.bench_scheduler import (
+from flows.benchmarks.scheduler import (
     CAPACITY_FILE,
     SchedulerCapacity,
     load_capacity,
@@ -69,7 +69,7 @@ def test_script_runs_as_a_user_runs_it(tmp_path):
     before = _alive_children()
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "flows/bench_scheduler.py", "--seconds", "1",
+    proc = subprocess.run([sys.executable, "-m", "flows.benchmarks.scheduler", "--seconds", "1",
                            "--chains", "30", "--concurrency", "4", "--cohort", "2",
                            "--threads", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flows.config import load_config
-from flows.launch import make_cluster
+from flows.training.launch import make_cluster
 from resources.pools import Stage, Tag, demand
 from resources.worker import RollArcWorkerPlugin, plain, with_backend, with_envs
 from tasks.env_steps import env_reset

@@ -11,7 +11,8 @@ import pytest
 
 from flows import simulate
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
-from flows.launch import start_reward_service
+from flows.config.derived import effective_pools, lambda_function_of
+from flows.training.launch import start_reward_service
 from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.components import accepts, describe, instantiate, resolve
 
@@ -36,11 +37,11 @@ def test_config_loads_and_components_resolve(path):
         assert isinstance(obs, str) and obs
         assert callable(resolve(task.reward_fn))
         # the Lambda function the env task names may run its reward (the template's allow-list)
-        allowed = FUNCTIONS[cfg.reward.function_of(task)]["environment"]["ROLLARC_REWARD_MODULES"]
+        allowed = FUNCTIONS[lambda_function_of(cfg.reward, task)]["environment"]["ROLLARC_REWARD_MODULES"]
         assert task.reward_fn.rpartition(".")[0] in allowed.split(","), task.name
     for spec in (cfg.engine.backend, cfg.trainer.backend, cfg.trainer.loss):
         assert callable(resolve(spec["_component_"]))
-    assert cfg.effective_pools()
+    assert effective_pools(cfg)
 
 
 @pytest.mark.parametrize("override,key", [
@@ -87,6 +88,22 @@ def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:
         load_config(overrides=[override])
     assert key in str(exc.value)
+
+
+def test_a_bad_key_or_value_is_reported_without_importing_torch():
+    code = ("import sys\nfrom flows.config import ConfigError, load_config\n"
+            "for o in ('trainer.max_stepz=3', 'trainer.max_steps=0', 'mode=fast',\n"
+            "          'rollout.max_staleness=0'):\n"
+            "    try:\n        load_config(overrides=[o])\n"
+            "    except ConfigError as exc:\n        print(exc)\n"
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=ROOT).stdout.splitlines()
+    assert len(out) == 5, out
+    for line, key in zip(out, ["trainer.max_stepz", "trainer.max_steps", "mode",
+                               "rollout.max_staleness"], strict=False):
+        assert line.startswith(key), line
+    assert out[-1] == "[]"
 
 
 @pytest.mark.parametrize("override,key", [

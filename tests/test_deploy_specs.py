@@ -13,7 +13,7 @@ import yaml
 from distributed.cli.dask_worker import main as dask_worker_cli
 
 from flows.config import load_config
-from flows.launch import pool_router
+from flows.training.launch import pool_router
 from resources.hardware import dask_setup, group_pools, make_advert
 from resources.pools import Tag
 

@@ -11,7 +11,7 @@ import pytest
 
 from flows.config import load_config
 from flows.reference import run_reference
-from flows.workload import LengthDist, TurnShapeConfig, turn_shape
+from flows.training.workload import LengthDist, TurnShapeConfig, turn_shape
 from resources.catalog import CATALOG
 from resources.device_model import DeviceModel, ModelSpec, model_spec
 from resources.emulated import EmulatedEngine

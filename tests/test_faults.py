@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 
 from flows.api import RunStatus, Session
-from flows.lifecycle import DropReason, TrajState
-from flows.run import PoolLost
+from flows.training.lifecycle import DropReason, TrajState
+from flows.training.run import PoolLost
 from resources.cluster import WORKER_ENV
 from resources.placement import placement_snapshot
 from resources.pools import Tag

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from flows.config import load_config
-from flows.launch import make_cluster
-from flows.metrics import NullSink, ProgressLine, read_metrics
-from flows.run import TrainingRun
-from tasks.policy import PolicySpec, load_policy
+from flows.monitoring.metrics import NullSink, ProgressLine, read_metrics
+from flows.training.launch import make_cluster
+from flows.training.run import TrainingRun
+from tasks.policy import load_policy
+from tasks.specs import PolicySpec
 
 pytestmark = pytest.mark.integration
 

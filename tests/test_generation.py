@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from flows.config import EnvTaskConfig
-from flows.episode import RolloutRecord
-from flows.orchestration import staleness
+from flows.training.episode import RolloutRecord
+from flows.training.orchestration import staleness
 from tasks.generation import decode, prefill
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, WeightsSnapshot
 

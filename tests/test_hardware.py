@@ -18,7 +18,7 @@ import pytest
 from distributed import Client, get_worker
 
 from flows.config import load_config
-from flows.launch import make_cluster, pool_router
+from flows.training.launch import make_cluster, pool_router
 from resources import hardware
 from resources.affinity import route
 from resources.hardware import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.metrics import read_metrics
+from flows.monitoring.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

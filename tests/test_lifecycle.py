@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.lifecycle import DropReason, IllegalTransition, TrajectoryLedger, TrajState
+from flows.training.lifecycle import DropReason, IllegalTransition, TrajectoryLedger, TrajState
 
 S = TrajState
 

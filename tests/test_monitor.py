@@ -16,9 +16,9 @@ from distributed import Client, LocalCluster
 
 from flows.api import RunStatus, Session, swap
 from flows.config import ConfigError, load_config
-from flows.lifecycle import DropReason
-from flows.metrics import check_sinks, read_metrics
-from flows.monitor import DATA_PATH, PAGE, install_monitor, metric_name, page_url
+from flows.monitoring.metrics import check_sinks, read_metrics
+from flows.monitoring.monitor import DATA_PATH, PAGE, install_monitor, metric_name, page_url
+from flows.training.lifecycle import DropReason
 
 pytestmark = pytest.mark.integration
 
@@ -172,11 +172,11 @@ def test_spans_split_the_run_by_env_task_and_stage(finished_run):
 def test_plot_cli_redraws_and_overlays(finished_run, tmp_path):
     d = finished_run["run"].run_dir
     out = tmp_path / "overlay.png"
-    proc = subprocess.run([sys.executable, "-m", "flows.plot", str(d), str(d), "--out",
+    proc = subprocess.run([sys.executable, "-m", "flows.monitoring.plot", str(d), str(d), "--out",
                            str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 10_000
-    proc = subprocess.run([sys.executable, "-m", "flows.plot", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "flows.monitoring.plot", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from flows.orchestration import (
+from flows.training.orchestration import (
     AdmissionState,
     GroupCollector,
     GroupDraw,
@@ -124,7 +124,7 @@ def test_router_prefers_affinity_then_least_loaded():
 def test_length_aware_dispatch_keeps_short_turns_on_fast_gpus_and_splits_long_ones():
     from collections import Counter
 
-    from flows.dispatch import ResponseLengths, plan_turn
+    from flows.training.turn_placement import ResponseLengths, plan_turn
     from resources.catalog import CATALOG
     from resources.device_model import DeviceModel, model_spec
     from resources.pools import Tag

@@ -13,8 +13,8 @@ from distributed import Client, LocalCluster
 
 from flows.api import run_training
 from flows.config import load_config
-from flows.events import EventLoop, FutureKind
-from flows.lifecycle import TrajState
+from flows.training.events import EventLoop, FutureKind
+from flows.training.lifecycle import TrajState
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step

@@ -9,9 +9,9 @@ import pytest
 
 from flows.api import run_training
 from flows.config import ConfigError, load_config, validate
-from flows.lifecycle import RunFailing, TrajState
-from flows.metrics import read_metrics
+from flows.monitoring.metrics import read_metrics
 from flows.reference import run_reference
+from flows.training.lifecycle import RunFailing, TrajState
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step

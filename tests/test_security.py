@@ -23,8 +23,9 @@ from distributed import Client
 from distributed.security import Security
 
 from flows.config import ConfigError, load_config
-from flows.launch import make_cluster
+from flows.config.derived import tls_security
 from flows.train import main, parse_args, tls_overrides
+from flows.training.launch import make_cluster
 from resources import cluster as cluster_module
 from resources.cluster import start_local_cluster
 from resources.lambda_client import LambdaRewardClient
@@ -98,15 +99,15 @@ def _tls_overrides(files: dict[str, str]) -> list[str]:
 
 
 def test_config_gives_the_security_of_every_role(tls_files):
-    sec = load_config(overrides=_tls_overrides(tls_files)).cluster.tls.security()
+    sec = tls_security(load_config(overrides=_tls_overrides(tls_files)).cluster.tls)
     assert isinstance(sec, Security) and sec.require_encryption
     assert sec.tls_ca_file == tls_files["ca_file"]
     for role in ("client", "scheduler", "worker"):
         assert getattr(sec, f"tls_{role}_cert") == tls_files["cert_file"]
         assert getattr(sec, f"tls_{role}_key") == tls_files["key_file"]
         assert sec.get_connection_args(role)["ssl_context"] is not None
-    assert load_config().cluster.tls.security() is None  # the default: plain TCP
-    assert load_config(overrides=["cluster.tls=null"]).cluster.tls.security() is None
+    assert tls_security(load_config().cluster.tls) is None  # the default: plain TCP
+    assert tls_security(load_config(overrides=["cluster.tls=null"]).cluster.tls) is None
 
 
 def test_cli_flags_fill_the_tls_keys(tls_files):
@@ -181,7 +182,7 @@ def _connect(address: str, **kwargs) -> None:
 
 @pytest.mark.integration
 def test_tls_cluster_runs_tasks_and_refuses_clients_without_the_certificate(tls_files):
-    sec = load_config(overrides=_tls_overrides(tls_files)).cluster.tls.security()
+    sec = tls_security(load_config(overrides=_tls_overrides(tls_files)).cluster.tls)
     handle = start_local_cluster(
         POOLS, TAGS, dashboard_port=0, processes=False, timeout=30, security=sec
     )
@@ -377,4 +378,4 @@ def test_tls_file_paths_are_resolved_from_the_working_directory(tls_files, monke
     tls = load_config(
         overrides=_tls_overrides({k: Path(v).name for k, v in tls_files.items()})
     ).cluster.tls
-    assert tls.ca_file == "ca.pem" and tls.security() is not None
+    assert tls.ca_file == "ca.pem" and tls_security(tls) is not None

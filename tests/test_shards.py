@@ -14,10 +14,10 @@ from distributed import Client, LocalCluster, Worker
 
 from flows.api import Session, run_training
 from flows.config import ConfigError, load_config
-from flows.events import EventLoop, FutureKind, cancel, next_batch_of
-from flows.lifecycle import DropReason
-from flows.metrics import read_metrics
-from flows.orchestration import pick_shard
+from flows.monitoring.metrics import read_metrics
+from flows.training.events import EventLoop, FutureKind, cancel, next_batch_of
+from flows.training.lifecycle import DropReason
+from flows.training.orchestration import pick_shard
 from resources.placement import placement_snapshot
 from resources.pools import Tag
 

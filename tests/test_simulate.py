@@ -1,4 +1,4 @@
-"""The simulator (flows/simulation.py, flows/simulate.py): deterministic, driven by the flow's
+"""The simulator (flows/simulation/simulator.py, flows/simulate.py): deterministic, driven by the flow's
 own decision functions, engines on the device model, and its command line."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from flows import orchestration, simulate
-from flows.simulation import SimSettings, TurnCount
-from flows.simulation import simulate as run_sim
+from flows import simulate
+from flows.config.derived import lambda_function_of
+from flows.simulation.simulator import SimSettings, TurnCount
+from flows.simulation.simulator import simulate as run_sim
+from flows.training import orchestration
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
 from resources.sim_engine import Clock, SimEngine
@@ -179,7 +181,7 @@ def test_environment_failures_restart_or_drop_and_every_trajectory_is_counted():
 def test_lambda_concurrency_throttles_and_cold_starts():
     free = run_sim(*_cfg("simulate.lambda_concurrency=1000"))
     tight = run_sim(*_cfg("simulate.lambda_concurrency=1"))
-    functions = len({simulate.load(LONG_TAIL)[0].reward.function_of(t)
+    functions = len({lambda_function_of(simulate.load(LONG_TAIL)[0].reward, t)
                      for t in simulate.load(LONG_TAIL)[0].env_tasks})
     assert free.reward.get("throttles", 0) == 0 < tight.reward["throttles"]
     assert tight.reward["cold_starts"] == functions  # one instance per function, kept warm

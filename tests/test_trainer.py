@@ -10,9 +10,10 @@ import torch
 
 from tasks.components import instantiate
 from tasks.losses import LossOutput, decoupled_ppo_loss
-from tasks.policy import PolicySpec, load_policy
+from tasks.policy import load_policy
 from tasks.records import TrainBatch, TrainSample
-from tasks.trainer import PolicyTrainer, Trainer, TrainerHParams, policy_trainer, train_step
+from tasks.specs import PolicySpec, TrainerHParams
+from tasks.trainer import PolicyTrainer, Trainer, policy_trainer, train_step
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from flows.metrics import read_metrics
+from flows.monitoring.metrics import read_metrics
 
 # stages drawn in the timeline, in legend order, with their colours
 STAGE_COLOURS = {"env_reset": "#8c564b", "prefill": "#1f77b4", "decode": "#ff7f0e",

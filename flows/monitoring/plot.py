@@ -3,8 +3,8 @@ and against wall time (evaluation rounds marked), staleness and throughput below
 
 Every run draws its own ``curves.png`` at the end; this redraws it, or compares runs:
 
-    python -m flows.plot runs/20261201-101500
-    python -m flows.plot runs/async runs/sync --out async-vs-sync.png
+    python -m flows.monitoring.plot runs/20261201-101500
+    python -m flows.monitoring.plot runs/async runs/sync --out async-vs-sync.png
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flows.metrics import read_metrics
+from flows.monitoring.metrics import read_metrics
 
 STYLES = ("-", "--", ":", "-.")
 
@@ -39,7 +39,7 @@ def trained_per_s(train: list[dict]) -> list[float]:
 
 
 def draw_curves(runs: dict[str, tuple[list[dict], list[dict]]], out: str | Path) -> Path:
-    """``runs``: label -> (train rows, evaluation rows), as :func:`flows.metrics.read_metrics`
+    """``runs``: label -> (train rows, evaluation rows), as :func:`flows.monitoring.metrics.read_metrics`
     gives them. Writes the PNG and returns its path."""
     import matplotlib
 

@@ -15,8 +15,8 @@ concurrency. The sandboxes are warmed first, so the timed pass measures steady-s
 the cold starts (Init Duration) are reported beside it. Batches are fixed (``--batch``) so only
 the concurrency changes.
 
-    python flows/bench_reward.py                        # both settings, 1/4/16, 256 trajectories
-    python flows/bench_reward.py --settings latency --latency-s 0.2 --concurrency 1 8 32
+    python -m flows.benchmarks.reward                        # both settings, 1/4/16, 256 trajectories
+    python -m flows.benchmarks.reward --settings latency --latency-s 0.2 --concurrency 1 8 32
 """
 
 from __future__ import annotations

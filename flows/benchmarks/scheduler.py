@@ -2,7 +2,7 @@
 
 A RollArc turn is three tiny-result tasks, ``prefill -> decode -> env_step``, each restricted to
 one worker (``workers=[addr]``) and one slot of a pool's resource (``resources={TAG: 1}``),
-keyed ``"{stage}-{trajectory}-{turn}-{attempt}@{tag}"`` (:mod:`flows.rollout`). When the
+keyed ``"{stage}-{trajectory}-{turn}-{attempt}@{tag}"`` (:mod:`flows.training.rollout`). When the
 devices are fast the work inside a task is nothing next to its orchestration, so the cluster's
 ceiling is the scheduler's (and the driver's) CPU per task. This benchmark runs no-op tasks of
 that shape on a real cluster and measures it, three ways:
@@ -12,7 +12,7 @@ that shape on a real cluster and measures it, three ways:
   ``client.submit`` per task, as RollArc submits, and one ``client.map`` per stage, which tells
   the scheduler's price of a graph update apart from its price of running a task;
 - **dynamic turns** (the driver's pattern): ``C`` trajectories in flight; each time a turn's
-  env_step completes (``as_completed`` and a batched gather: :class:`flows.events.EventLoop`)
+  env_step completes (``as_completed`` and a batched gather: :class:`flows.training.events.EventLoop`)
   the driver submits that trajectory's next turn, whose prefill reads the previous decode's
   future as RollArc's does, for ``--seconds``, for each ``C`` of ``--concurrency``: turns/s,
   tasks/s, driver CPU per turn, scheduler CPU per task;
@@ -36,9 +36,9 @@ advertises ``GPU_COMPUTE`` and ``GPU_BANDWIDTH``, worker B ``CPU_ENV`` (64 slots
 Output: a Markdown table printed and saved, and :class:`SchedulerCapacity` as JSON at
 ``<out>/capacity.json`` (default ``runs/bench_scheduler/``), for :func:`load_capacity`.
 
-    python flows/bench_scheduler.py
-    python flows/bench_scheduler.py --seconds 5
-    python flows/bench_scheduler.py --seconds 3 --concurrency 16 256 --cohort 0 --out /tmp/sched
+    python -m flows.benchmarks.scheduler
+    python -m flows.benchmarks.scheduler --seconds 5
+    python -m flows.benchmarks.scheduler --seconds 3 --concurrency 16 256 --cohort 0 --out /tmp/sched
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ import psutil
 from distributed import Client, Future
 from rich.console import Console
 
-from flows.bench_report import markdown_table
-from flows.events import EventLoop, FutureKind
+from flows.benchmarks.report import markdown_table
+from flows.training.events import EventLoop, FutureKind
 from resources.pools import Stage, Tag, demand
 
 logger = logging.getLogger(__name__)
@@ -408,7 +408,7 @@ def bench_cluster(threads: int = 8, slots: int = 64) -> Iterator[BenchCluster]:
 
 def _submit_turn(c: BenchCluster, suffix: str, past: Future | None,
                  observation: Any) -> tuple[Future, Future]:
-    """prefill -> decode -> env_step of one trajectory (or cohort), as flows/rollout.py submits
+    """prefill -> decode -> env_step of one trajectory (or cohort), as flows/training/rollout.py submits
     them; returns (decode, env_step)."""
     def submit(stage: Stage, fn, *args, worker: str) -> Future:
         return c.client.submit(fn, *args, key=f"{stage}-{suffix}", workers=[worker],
@@ -463,7 +463,7 @@ def run_dynamic(c: BenchCluster, concurrency: int, seconds: float, tag: str, coh
 
     def submit(traj: int, turn: int, past: Future | None, observation: Any) -> None:
         nonlocal tasks
-        # a cohort's keys as flows/rollout.py spells them: "{stage}-c{cohort}-{members}-0"
+        # a cohort's keys as flows/training/rollout.py spells them: "{stage}-c{cohort}-{members}-0"
         suffix = (f"{traj}-{turn}-0@{tag}" if cohort == 1
                   else f"c{traj}x{turn}-{cohort}-0@{tag}")
         dec, step = _submit_turn(c, suffix, past, observation)

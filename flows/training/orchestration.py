@@ -11,7 +11,7 @@
 - :func:`pick_shard` — which rollout shard (``cluster.shards``) a new group goes to;
 - :func:`sample_env_task`, :func:`decode_seed` — the mix draw and the per-turn sampling seed.
 
-The trajectory state machine that keeps the accounts is :mod:`flows.lifecycle`.
+The trajectory state machine that keeps the accounts is :mod:`flows.training.lifecycle`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from flows.config.choices import Mode
+from flows.config.derived import batch_trajectories
 from tasks.losses import group_advantages
 from tasks.records import TrainSample, Trajectory
 
 
 @dataclass(frozen=True)
 class AdmissionState:
-    mode: str  # "async" | "sync"
+    mode: Mode
     rolling_out: int  # trajectories admitted and not yet finished
     unconsumed: int  # admitted and not yet trained or dropped (rolling out + waiting)
     batch_trajectories: int  # trajectories in one train batch
@@ -47,7 +49,7 @@ def admission_state(cfg, rolling_out: int, unconsumed: int, pool_slots: int,
     ro = cfg.rollout
     return AdmissionState(
         mode=cfg.mode, rolling_out=rolling_out, unconsumed=unconsumed,
-        batch_trajectories=cfg.batch_trajectories(), window_batches=ro.window_batches,
+        batch_trajectories=batch_trajectories(cfg), window_batches=ro.window_batches,
         spare_trajectories=ro.spare_groups * max(t.group_size for t in cfg.env_tasks),
         max_in_flight=ro.max_in_flight, pool_slots=pool_slots, trainer_busy=trainer_busy,
         weights_syncing=weights_syncing, stopping=stopping)
@@ -65,7 +67,7 @@ def admission_room(s: AdmissionState) -> int:
     """
     if s.stopping:
         return 0
-    if s.mode == "sync":
+    if s.mode == Mode.SYNC:
         if s.unconsumed or s.trainer_busy or s.weights_syncing:
             return 0
         return s.batch_trajectories
@@ -73,14 +75,14 @@ def admission_room(s: AdmissionState) -> int:
                       s.max_in_flight - s.rolling_out, s.pool_slots - s.rolling_out))
 
 
-def groups_to_cut(mode: str, ready_groups: int, groups_per_step: int, rolling_out: int,
+def groups_to_cut(mode: Mode, ready_groups: int, groups_per_step: int, rolling_out: int,
                   scoring: int, open_groups: int) -> int | None:
     """How many completed groups the next train batch takes, or None to wait.
 
     async: the first ``groups_per_step`` groups to complete, whoever is still rolling out.
     sync: the barrier — everything admitted for this batch, once all of it is scored.
     """
-    if mode == "sync":
+    if mode == Mode.SYNC:
         if rolling_out or scoring or open_groups or not ready_groups:
             return None
         return ready_groups

@@ -2,15 +2,15 @@
 
 What is simulated, and with what:
 
-- **decisions** are not re-implemented: admission (:func:`flows.orchestration.admission_room`),
-  the mix draw (:class:`~flows.orchestration.GroupDraw`), the batch cut
-  (:func:`~flows.orchestration.groups_to_cut`), the group collector and staleness
-  (:class:`~flows.orchestration.GroupCollector`), the router
-  (:class:`~flows.orchestration.Router`), per-turn dispatch (:func:`flows.dispatch.plan_turn`),
-  the affinity routing of pools (:func:`flows.launch.pool_router`), the shard a group goes to
-  (:func:`~flows.orchestration.pick_shard`), the trajectory state
-  machine (:class:`flows.lifecycle.TrajectoryLedger`) and the turn shapes
-  (:func:`flows.workload.turn_shape`) are the very ones the Dask flow calls; they are looked up
+- **decisions** are not re-implemented: admission (:func:`flows.training.orchestration.admission_room`),
+  the mix draw (:class:`~flows.training.orchestration.GroupDraw`), the batch cut
+  (:func:`~flows.training.orchestration.groups_to_cut`), the group collector and staleness
+  (:class:`~flows.training.orchestration.GroupCollector`), the router
+  (:class:`~flows.training.orchestration.Router`), per-turn dispatch (:func:`flows.training.turn_placement.plan_turn`),
+  the affinity routing of pools (:func:`flows.training.launch.pool_router`), the shard a group goes to
+  (:func:`~flows.training.orchestration.pick_shard`), the trajectory state
+  machine (:class:`flows.training.lifecycle.TrajectoryLedger`) and the turn shapes
+  (:func:`flows.training.workload.turn_shape`) are the very ones the Dask flow calls; they are looked up
   on their modules at call time, so replacing one (a test does) changes the simulation;
 - **device times** come from :class:`resources.device_model.DeviceModel`, the model of the
   ``emulated`` backend and the affinity router: each engine runs continuous batching the way
@@ -24,7 +24,7 @@ What is simulated, and with what:
   drops it (``rollout.max_attempts``); the
   number of turns of a trajectory (what the policy and environment decide) is drawn from
   ``simulate.turns``;
-- **reward**: one score task per function and burst (as :mod:`flows.reward_dispatch` cuts
+- **reward**: one score task per function and burst (as :mod:`flows.training.reward_bursts` cuts
   them), invocations of up to ``reward.batch_max`` at ``reward.concurrency`` per task, on a
   Lambda of ``simulate.lambda_concurrency`` concurrent instances (over it: a throttle and a
   retry), cold starts, and a reward model's prefill per invocation (``reward.judge``);
@@ -59,9 +59,18 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from flows import dispatch as dispatch_mod
-from flows import launch, lifecycle, orchestration, workload
 from flows.config import TrainConfig
+from flows.config.choices import Placement, RewardBackend
+from flows.config.derived import (
+    device_model,
+    effective_pools,
+    lambda_function_of,
+    pool_hardware,
+    trainer_gpus,
+    with_env_faults,
+)
+from flows.training import launch, lifecycle, orchestration, workload
+from flows.training import turn_placement as dispatch_mod
 from resources import emulated
 from resources.catalog import HardwareProfile, get_profile
 from resources.device_model import DeviceModel
@@ -106,7 +115,7 @@ class SimSettings(BaseModel):
     train_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time per train step "
                                     "beyond the device model's")
     scheduler_us_per_task: float = Field(default=0.0, ge=0, description="Scheduler time per "
-                                         "task (0: not modelled); from flows/bench_scheduler.py")
+                                         "task (0: not modelled); from flows/benchmarks/scheduler.py")
     driver_us_per_event: float = Field(default=0.0, ge=0, description="Driver time per "
                                        "completion handled (0: not modelled)")
     shards: int = Field(default=1, ge=1, description="Schedulers the rollout is sharded over "
@@ -280,11 +289,11 @@ class Simulation:
         self.lambda_warm: Counter[str] = Counter()  # instances started, per function
         self.reward_calls = Counter()
         self._training: list[int] = []
-        fns = {t.name: cfg.reward.function_of(t) for t in cfg.env_tasks}
+        fns = {t.name: lambda_function_of(cfg.reward, t) for t in cfg.env_tasks}
         self.lambda_function = fns
         self.turn_counts = {t.name: self.sim.turns.get(t.name) or TurnCount(
             mean=_max_turns(t.env) or 1, max=_max_turns(t.env) or 1000) for t in cfg.env_tasks}
-        self.env_latency = {t.name: _env_latency(cfg.faults.env_spec(t.env))
+        self.env_latency = {t.name: _env_latency(with_env_faults(cfg.faults, t.env))
                             for t in cfg.env_tasks}
         self._in_tick = False
         self._flush_due = False
@@ -294,11 +303,11 @@ class Simulation:
     # -- cluster ---------------------------------------------------------------------------------
     def _build_cluster(self) -> None:
         cfg = self.cfg
-        pools = cfg.effective_pools()
+        pools = effective_pools(cfg)
         tags = launch.pool_router(cfg)(pools)  # the affinity routing the embedded cluster uses
-        hardware = cfg.pool_hardware()
+        hardware = pool_hardware(cfg)
         dev = cfg.engine.device
-        model = cfg.device_model()
+        model = device_model(cfg)
         stragglers = cfg.faults.stragglers
         self.engines: dict[str, SimEngine] = {}
         self.slots: dict[tuple[str, Tag], Slots] = {}
@@ -330,9 +339,9 @@ class Simulation:
                              for w in by_tag[str(Tag.CPU_ENV)]}
         train_pool = next(p for p in pools if p.role in (Role.TRAIN, Role.ALL))
         profile, _ = hardware[train_pool.name]
-        self.trainer_device = emulated.device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
+        self.trainer_device = emulated.device_of(HardwareProfile(**profile), trainer_gpus(cfg),
                                                  dev)
-        self.colocated = cfg.placement == "monolithic"
+        self.colocated = cfg.placement == Placement.MONOLITHIC
         self.pool_slots = max(1, min(sum(self.slots[(w, t)].free for w in by_tag[str(t)])
                                      for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV)))
         judge = cfg.reward.judge
@@ -340,7 +349,7 @@ class Simulation:
         if judge is not None:
             self.judge_device = emulated.device_of(
                 get_profile(judge.profile, cfg.affinity.profiles), judge.gpus, dev)
-            if cfg.reward.backend != "lambda":  # one dedicated engine every call shares
+            if cfg.reward.backend != RewardBackend.LAMBDA:  # one dedicated engine every call shares
                 self.judge_engine = SimEngine(self.clock, "judge", self.judge_device,
                                               dev.chunk_tokens, dev.max_seqs)
         self.uses_devices = cfg.rollout.dispatch is not dispatch_mod.Dispatch.SPLIT
@@ -610,7 +619,7 @@ class Simulation:
         r = self.cfg.reward
         # the Lambda client fans a burst out over reward.concurrency calls; the local client
         # scores its chunks one after the other
-        lanes = r.concurrency if r.backend == "lambda" else 1
+        lanes = r.concurrency if r.backend == RewardBackend.LAMBDA else 1
         size = chunk_size(len(batch), lanes, r.min_batch, r.batch_max)
         chunks = [batch[i:i + size] for i in range(0, len(batch), size)]
         state = {"left": len(chunks), "queue": deque(chunks)}
@@ -633,7 +642,7 @@ class Simulation:
     def _invoke(self, function: str, chunk: list[Trajectory], done) -> None:
         r = self.cfg.reward
         limit = self.sim.lambda_concurrency or (
-            r.emulator.concurrency if r.backend == "lambda" and r.emulator.enabled else 1000)
+            r.emulator.concurrency if r.backend == RewardBackend.LAMBDA and r.emulator.enabled else 1000)
         if self.lambda_busy[function] >= limit:  # 429: the client waits and retries
             self.reward_calls["throttles"] += 1
             self.clock.after(self.sim.throttle_backoff_s, self._invoke, function, chunk, done)
@@ -652,7 +661,7 @@ class Simulation:
             self.lambda_busy[function] -= 1
             done()
 
-        if self.judge_device is not None and r.backend != "lambda":
+        if self.judge_device is not None and r.backend != RewardBackend.LAMBDA:
             self.clock.after(seconds, self.judge_engine.submit, True, tokens, 0, finish)
             return
         if self.judge_device is not None:

@@ -396,7 +396,7 @@ def install_page(scheduler) -> bool:
 def page_doc(scheduler, extra, doc) -> None:
     """The page as a dashboard application (``applications[PAGE]`` signature): built from
     the records of the scheduler's monitor."""
-    from flows.dashboard_page import rollarc_doc
+    from flows.monitoring.dashboard_page import rollarc_doc
 
     def records_of():
         monitor = monitor_of(scheduler)

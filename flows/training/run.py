@@ -1,11 +1,11 @@
 """One training run on a Dask cluster: set up, train, save, summarise.
 
 :class:`TrainingRun` wires the parts and runs one event loop on the driver. Each part has its
-own module: trajectories roll out as Dask graphs (:mod:`flows.rollout`), their states and
-accounts are one state machine (:mod:`flows.lifecycle`), finished ones are scored in bursts
-(:mod:`flows.reward_dispatch`), grouped and cut into batches (:mod:`flows.orchestration`), trained
-(:mod:`flows.trainer_handle`) and evaluated (:mod:`flows.evaluation`); metrics are pure
-functions (:mod:`flows.metrics`). Every decision is a pure function of :mod:`flows.orchestration`.
+own module: trajectories roll out as Dask graphs (:mod:`flows.training.rollout`), their states and
+accounts are one state machine (:mod:`flows.training.lifecycle`), finished ones are scored in bursts
+(:mod:`flows.training.reward_bursts`), grouped and cut into batches (:mod:`flows.training.orchestration`), trained
+(:mod:`flows.training.trainer_handle`) and evaluated (:mod:`flows.training.evaluation`); metrics are pure
+functions (:mod:`flows.monitoring.metrics`). Every decision is a pure function of :mod:`flows.training.orchestration`.
 :mod:`flows.reference` is the same recipe in one process, without Dask.
 """
 
@@ -22,16 +22,27 @@ from pathlib import Path
 
 from distributed import Future
 
-from flows import checkpoints
 from flows.config import ConfigError, TrainConfig, reward_callables
-from flows.dispatch import Dispatch
-from flows.elastic import EnvPoolScaler
-from flows.evaluation import Evaluator
-from flows.events import Event, EventLoop, FutureKind, cancel
-from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
-from flows.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
-from flows.monitor import StageSpans
-from flows.orchestration import (
+from flows.config.choices import Placement, RewardBackend
+from flows.config.derived import (
+    batch_trajectories,
+    device_model,
+    effective_pools,
+    emulation,
+    is_emulated,
+    pool_hardware,
+    reward_client_settings,
+    trainer_gpus,
+    trainer_hparams,
+)
+from flows.monitoring.metrics import MetricSink, ProgressLine, batch_metrics, perf_metrics
+from flows.monitoring.monitor import StageSpans
+from flows.training import checkpoints
+from flows.training.env_scaler import EnvPoolScaler
+from flows.training.evaluation import Evaluator
+from flows.training.events import Event, EventLoop, FutureKind, cancel
+from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState, Transition
+from flows.training.orchestration import (
     AdmissionState,
     GroupCollector,
     GroupDraw,
@@ -40,10 +51,11 @@ from flows.orchestration import (
     admission_state,
     groups_to_cut,
 )
-from flows.reward_dispatch import RewardDispatcher
-from flows.rollout import RolloutDriver, TurnOutcome
-from flows.shards import RolloutShards
-from flows.trainer_handle import TRAINER_CALL_TIMEOUT_S, TrainerHandle
+from flows.training.reward_bursts import RewardDispatcher
+from flows.training.rollout import RolloutDriver, TurnOutcome
+from flows.training.shards import RolloutShards
+from flows.training.trainer_handle import TRAINER_CALL_TIMEOUT_S, TrainerHandle
+from flows.training.turn_placement import Dispatch
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle
 from resources.device_model import DeviceModel
@@ -80,7 +92,7 @@ class TrainingRun:
                  publish_live: Callable[[dict], None] | None = None,
                  shards: Sequence[ClusterHandle] = ()):
         """``shards``: the further rollout shards' clusters of ``cluster.shards``
-        (:func:`flows.shards.start_rollout_shards`); ``cluster`` is shard 0."""
+        (:func:`flows.training.shards.start_rollout_shards`); ``cluster`` is shard 0."""
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
         if cfg.cluster.shards != 1 + len(shards):
             raise ConfigError(f"cluster.shards: {cfg.cluster.shards} shards configured, the run "
@@ -88,9 +100,9 @@ class TrainingRun:
         self.shards: RolloutShards | None = None
         # the live figures of the dashboard page, sent at most every LIVE_EVERY_S
         self.publish_live = publish_live
-        if cfg.reward.backend == "lambda" and cfg.reward.emulator.enabled and not reward_endpoint:
+        if cfg.reward.backend == RewardBackend.LAMBDA and cfg.reward.emulator.enabled and not reward_endpoint:
             raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
-                             "reward_endpoint (flows.launch.start_reward_service starts it)")
+                             "reward_endpoint (flows.training.launch.start_reward_service starts it)")
         # workers joining and leaving from now on; and those that did before (between runs)
         self.membership = MembershipWatch(cluster.client)
         cluster.refresh()
@@ -100,7 +112,7 @@ class TrainingRun:
                                    f"--resources \"{tag}=<slots>\"")
         self.stages = stages or Stages()
         # the reward config the workers' clients are built from, endpoint resolved
-        self.reward_cfg = cfg.reward.client_settings(reward_endpoint)
+        self.reward_cfg = reward_client_settings(cfg.reward, reward_endpoint)
         if cfg.reward.judge is not None:  # its profile resolved here, config overrides included
             self.reward_cfg["judge_hardware"] = get_profile(
                 cfg.reward.judge.profile, cfg.affinity.profiles).model_dump()
@@ -108,7 +120,7 @@ class TrainingRun:
         self.run_id = run_dir.name
         self.version = 0
         self.draw = GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
-        self.batch_trajectories = cfg.batch_trajectories()
+        self.batch_trajectories = batch_trajectories(cfg)
         router = Router({str(t): cluster.workers_with(t) for t in Tag})
         self.ledger = TrajectoryLedger(on_transition)
         self.events = EventLoop(self.client)
@@ -141,9 +153,9 @@ class TrainingRun:
         self.loads_pending = 0
         # monolithic on emulated devices: training time-shares the engines' GPUs
         self.colocated_device = None
-        if cfg.placement == "monolithic" and cfg.engine.emulated:
-            profile, _ = cfg.pool_hardware()[cfg.effective_pools()[0].name]
-            self.colocated_device = device_of(HardwareProfile(**profile), cfg.trainer_gpus(),
+        if cfg.placement == Placement.MONOLITHIC and is_emulated(cfg.engine):
+            profile, _ = pool_hardware(cfg)[effective_pools(cfg)[0].name]
+            self.colocated_device = device_of(HardwareProfile(**profile), trainer_gpus(cfg),
                                               cfg.engine.device)
             if self.shards is not None:
                 logger.warning("cluster.shards: training time-shares the GPUs of shard 0's "
@@ -221,7 +233,7 @@ class TrainingRun:
         cfg, cluster = self.cfg, cluster or self.cluster
         if cfg.rollout.dispatch is Dispatch.SPLIT:
             return None
-        hardware, model = cfg.pool_hardware(), cfg.device_model()
+        hardware, model = pool_hardware(cfg), device_model(cfg)
         devices = {}
         for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
             for w in cluster.workers_with(tag):
@@ -243,10 +255,10 @@ class TrainingRun:
         plugin = RollArcWorkerPlugin(
             policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
             trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
-            hparams=cfg.trainer_hparams().model_dump(),
+            hparams=trainer_hparams(cfg).model_dump(),
             reward=self.reward_cfg, reward_functions=reward_callables(cfg),
-            pool_hardware=cfg.pool_hardware(), default_pool=cfg.effective_pools()[0].name,
-            trainer_gpus=cfg.trainer_gpus(), emulation=cfg.engine.emulation(),
+            pool_hardware=pool_hardware(cfg), default_pool=effective_pools(cfg)[0].name,
+            trainer_gpus=trainer_gpus(cfg), emulation=emulation(cfg.engine),
             stragglers=cfg.faults.stragglers)
         self.client.register_plugin(plugin)
         if cfg.trainer.resume_from:
@@ -616,7 +628,7 @@ class TrainingRun:
         self.pool_slots = self._pool_slots()
 
     def _shard_membership(self) -> None:
-        """Workers that left or joined a further rollout shard (see flows.shards)."""
+        """Workers that left or joined a further rollout shard (see flows.training.shards)."""
         for shard, change in self.shards.membership_changes():
             worker = change.address
             self._note_change(change.change.value, worker, f"rollout shard {shard.index}",

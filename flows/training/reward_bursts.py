@@ -16,10 +16,11 @@ import numpy as np
 from distributed import Client, Future
 
 from flows.config import TrainConfig
-from flows.episode import score_requests
-from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
-from flows.monitor import StageSpans
-from flows.orchestration import Router
+from flows.config.derived import lambda_function_of, reward_name
+from flows.monitoring.monitor import StageSpans
+from flows.training.episode import score_requests
+from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
+from flows.training.orchestration import Router
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_reward_client
 from tasks.records import InvocationRecord, ScoreBatch, Trajectory
@@ -87,8 +88,8 @@ class RewardDispatcher:
         self.key_tag = key_tag  # ends every key (see RolloutDriver)
         self.run_id = run_id
         self.spans = spans or StageSpans(run_id)
-        self.reward_fns = {t.name: t.reward_name() for t in cfg.env_tasks}
-        self.lambda_function = {t.name: cfg.reward.function_of(t) for t in cfg.env_tasks}
+        self.reward_fns = {t.name: reward_name(t) for t in cfg.env_tasks}
+        self.lambda_function = {t.name: lambda_function_of(cfg.reward, t) for t in cfg.env_tasks}
         # one score task carries what the client can send at once; it fans the burst out itself
         self.score_task_max = cfg.reward.batch_max * cfg.reward.concurrency
         self.stats = RewardStats()

@@ -3,7 +3,7 @@
 Environment work is CPU work whose amount changes during a run (a task mix shifts to a slower
 sandbox, a simulator's latency grows). :class:`EnvPoolScaler` measures the pool's busy share
 (environment step seconds per second, over the pool's slots, in a sliding window) and asks the
-pure rule :func:`flows.orchestration.env_pool_change` what to do:
+pure rule :func:`flows.training.orchestration.env_pool_change` what to do:
 
 - **grow**: a worker spec ``<pool>-<n>`` copied from the pool's first is added to the
   ``SpecCluster`` (the cluster's own ``scale`` starts it); it joins through the run's
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from distributed import SpecCluster
 
 from flows.config import AdaptiveEnvConfig
-from flows.orchestration import env_pool_change
+from flows.training.orchestration import env_pool_change
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ turn on its own. Keys are ``"{stage}-{trajectory}-{turn}-{attempt}"`` for a sing
 ``"{stage}-c{cohort}-{members}-0"`` for a cohort: the dashboard groups by stage and a restarted
 trajectory never picks up an old key's result. The functions run are those of a
 :class:`tasks.stages.Stages`; every change of a trajectory's state goes through the
-:class:`flows.lifecycle.TrajectoryLedger`.
+:class:`flows.training.lifecycle.TrajectoryLedger`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from distributed import Client, Future, wait
 
 from flows.config import EnvTaskConfig, TrainConfig
-from flows.dispatch import ResponseLengths, TurnPlan, plan_turn
-from flows.episode import RolloutRecord, sampling_params, turn_ends
-from flows.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
-from flows.monitor import StageSpans
-from flows.orchestration import Router, decode_seed
-from flows.workload import turn_shape
+from flows.config.derived import batch_trajectories, with_env_faults
+from flows.monitoring.monitor import StageSpans
+from flows.training.episode import RolloutRecord, sampling_params, turn_ends
+from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
+from flows.training.orchestration import Router, decode_seed
+from flows.training.turn_placement import ResponseLengths, TurnPlan, plan_turn
+from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_envs, with_registry
@@ -100,9 +101,9 @@ class RolloutDriver:
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
         # each env task's environment, with the faults of faults.env injected
-        self.env_specs = {t.name: cfg.faults.env_spec(t.env) for t in cfg.env_tasks}
+        self.env_specs = {t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
         # consecutive failed turns, retries included, before the run stops with the last error
-        self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, cfg.batch_trajectories())
+        self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, batch_trajectories(cfg))
         # evaluation decodes greedily: the policy's best answer, not a sample
         self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
                               for name, sp in self.sampling.items()}
@@ -323,7 +324,7 @@ class RolloutDriver:
 
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
-        """Where the turn's prefill and decode run (:mod:`flows.dispatch`)."""
+        """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`)."""
         if self.devices is None:
             # decode stays on the worker holding the cache; prefill joins it when that worker
             # can prefill too (colocation), else goes to the least-loaded compute worker

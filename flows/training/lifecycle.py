@@ -11,7 +11,7 @@
 must add up. Every change goes through :meth:`TrajectoryLedger.transition`, which refuses an
 illegal edge and checks ``started == trained + dropped + in flight`` (training trajectories; the
 same for evaluation episodes apart) after every event, so the accounting holds by construction.
-Pure: no Dask, unit-tested like :mod:`flows.orchestration`.
+Pure: no Dask, unit-tested like :mod:`flows.training.orchestration`.
 """
 
 from __future__ import annotations

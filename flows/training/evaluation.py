@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from flows.config import EnvTaskConfig
-from flows.metrics import eval_metrics
+from flows.monitoring.metrics import eval_metrics
 from tasks.envs.base import eval_seed
 from tasks.records import Trajectory
 

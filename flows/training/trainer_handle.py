@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from distributed import Client, Future
 
-from flows.monitor import StageSpans
+from flows.monitoring.monitor import StageSpans
 from resources.cluster import ClusterHandle
 from resources.pools import Stage, Tag, demand
 from resources.worker import with_backend, with_trainer
@@ -25,7 +25,7 @@ class TrainerHandle:
     def __init__(self, client: Client, cluster: ClusterHandle, stages: Stages,
                  spans: StageSpans | None = None, key_tag: str = ""):
         self.client, self.stages = client, stages
-        self.key_tag = key_tag  # ends every key (see flows.rollout.RolloutDriver)
+        self.key_tag = key_tag  # ends every key (see flows.training.rollout.RolloutDriver)
         self.spans = spans or StageSpans("run")
         # the trainer's worker; None while it is lost and no other worker carries the tag
         self.worker: str | None = cluster.workers_with(Tag.TRAINER)[0]

@@ -6,14 +6,14 @@ local clusters, each with its own scheduler. Shard 0 is the run's cluster as wit
 (every pool: inference, environments, trainer, reward dispatch); each further shard holds its
 own copy of the rollout pools only (the inference pools and the environment pool, tagged by
 the same affinity routing, with the same worker plugin). One driver process spreads whole
-groups over the shards (:func:`flows.orchestration.pick_shard`: the most free room).
+groups over the shards (:func:`flows.training.orchestration.pick_shard`: the most free room).
 
 - one of each, in the driver: the trajectory ledger, the group draw and collector, reward
   dispatch (shard 0's SERVERLESS pool), the trainer (shard 0), admission control (its pool
   slots are the sum over shards; the ledger counts every shard's trajectories);
-- per shard: a client, a :class:`~flows.orchestration.Router`, a
-  :class:`~flows.rollout.RolloutDriver` (trajectory ids all taken from shard 0's, task keys
-  tagged with the shard) and an :class:`~flows.events.EventLoop`; the loops share one wake-up
+- per shard: a client, a :class:`~flows.training.orchestration.Router`, a
+  :class:`~flows.training.rollout.RolloutDriver` (trajectory ids all taken from shard 0's, task keys
+  tagged with the shard) and an :class:`~flows.training.events.EventLoop`; the loops share one wake-up
   condition, so the driver waits on all of them at once;
 - weights: after a train step the snapshot is published on the trainer (shard 0) as without
   shards; the driver gathers it once (a ``PUBLISH`` event), scatters it to one inference worker
@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 from distributed import Future
 
 from flows.config import EnvTaskConfig, TrainConfig
-from flows.events import Event, EventLoop, FutureKind, next_batch_of
-from flows.lifecycle import TrajectoryLedger
-from flows.monitor import StageSpans
-from flows.orchestration import Router, pick_shard
-from flows.rollout import RolloutDriver
+from flows.config.derived import effective_pools, tls_security
+from flows.monitoring.monitor import StageSpans
+from flows.training.events import Event, EventLoop, FutureKind, next_batch_of
+from flows.training.lifecycle import TrajectoryLedger
+from flows.training.orchestration import Router, pick_shard
+from flows.training.rollout import RolloutDriver
 from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
@@ -74,11 +75,11 @@ def start_rollout_shards(cfg: TrainConfig, tags_for: PoolRouter) -> list[Cluster
     pools, the trainer and reward tags left out). On a failure the ones started are closed."""
     if cfg.cluster.shards == 1:
         return []
-    pools = cfg.effective_pools()
+    pools = effective_pools(cfg)
     routed = tags_for(pools)
     tags = {name: [t for t in ts if t in ROLLOUT_TAGS] for name, ts in routed.items()}
     pools = [p for p in pools if tags[p.name]]
-    c, security = cfg.cluster, cfg.cluster.tls.security()
+    c, security = cfg.cluster, tls_security(cfg.cluster.tls)
     started: list[ClusterHandle] = []
     try:
         for k in range(1, c.shards):

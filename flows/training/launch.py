@@ -6,6 +6,13 @@ from __future__ import annotations
 import logging
 
 from flows.config import ConfigError, TrainConfig
+from flows.config.choices import RewardBackend
+from flows.config.derived import (
+    effective_pools,
+    lambda_functions,
+    reward_client_settings,
+    tls_security,
+)
 from resources.affinity import pool_tags, route
 from resources.cluster import ClusterHandle, connect, start_local_cluster
 from resources.hardware import PoolRouter
@@ -40,11 +47,11 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     the embedded local cluster of ``cfg``'s pools with the stages routed by the affinity cost
     model; TLS when ``cfg.cluster.tls`` is set."""
     router = pool_router(cfg)
-    security = cfg.cluster.tls.security()  # None: plain TCP
+    security = tls_security(cfg.cluster.tls)  # None: plain TCP
     if scheduler:
         return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=router,
                        security=security)
-    pools = cfg.effective_pools()
+    pools = effective_pools(cfg)
     return start_local_cluster(pools, router(pools), cfg.cluster.dashboard_port,
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s,
                                host=cfg.cluster.host, security=security)
@@ -57,10 +64,10 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
     from resources.lambda_build import check_template_functions
     from resources.reward_backends import build_reward_client
 
-    if cfg.reward.backend != "lambda":
+    if cfg.reward.backend != RewardBackend.LAMBDA:
         return None
     emulator = None
-    names = sorted(cfg.reward.functions(cfg.env_tasks))
+    names = sorted(lambda_functions(cfg))
     if cfg.reward.emulator.enabled:
         e = cfg.reward.emulator
         try:
@@ -71,7 +78,7 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
             e.template, host=e.host, port=e.port, concurrency=e.concurrency,
             latency_s=e.latency_s, init_delay_s=e.init_delay_s, region=cfg.reward.region,
             faults=cfg.faults.reward.model_dump()).start()
-    reward = cfg.reward.client_settings(emulator.url if emulator else None)
+    reward = reward_client_settings(cfg.reward, emulator.url if emulator else None)
     try:
         for name in names:
             client = build_reward_client(reward, name)

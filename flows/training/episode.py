@@ -1,5 +1,5 @@
 """One trajectory's record while it rolls out, and the requests that score it. Pure: the Dask
-flow (:mod:`flows.rollout`, :mod:`flows.reward_dispatch`) and the reference loop
+flow (:mod:`flows.training.rollout`, :mod:`flows.training.reward_bursts`) and the reference loop
 (:mod:`flows.reference`) share it."""
 
 from __future__ import annotations
