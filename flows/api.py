@@ -49,7 +49,13 @@ from flows.config import (
 from flows.config.choices import RewardBackend
 from flows.config.derived import tls_security, with_env_faults
 from flows.monitoring.dump import TrajectoryDump
-from flows.monitoring.metrics import ProgressLine, RowsSink, check_sinks, make_sinks
+from flows.monitoring.metrics import (
+    ProgressLine,
+    RowsSink,
+    check_sinks,
+    make_sinks,
+    run_header,
+)
 from flows.monitoring.monitor import (
     DashboardSink,
     RecordKind,
@@ -237,7 +243,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resolved = resolved_yaml(cfg)
         (self.run_dir / "config.yaml").write_text(resolved)
-        logger.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", resolved)
+        logger.info("%s", run_header(cfg, self.run_dir))
         self.sink = make_sinks(cfg.metrics, self.run_dir,
                                cfg.model_dump(mode="json", fallback=str))
         self.sink.add(self.rows)

@@ -88,6 +88,10 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     # a successful run ends quietly: no traceback, no error logged while the cluster closes
     assert not _noise(proc), _noise(proc)
     assert (run / "config.yaml").read_text().startswith("seed:")
+    # a short header says what the run is; the full config stays in config.yaml
+    assert f"run {run} (full config: {run / 'config.yaml'})" in proc.stderr
+    assert "env tasks: frozenlake x0.8, guess_number x0.2" in proc.stderr
+    assert "max_new_tokens" not in proc.stdout + proc.stderr
     lines = read_metrics(run)
     assert [m["train/step"] for m in lines] == [1, 2]
     for key in ("reward/mean", "env/frozenlake/success", "rollout/staleness_mean",

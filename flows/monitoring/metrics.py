@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from flows.config.derived import batch_trajectories, effective_pools
+from tasks.components import describe
 from tasks.records import Trajectory
+
+if TYPE_CHECKING:
+    from flows.config import TrainConfig
 
 
 def by_env(trajs: list[Trajectory]) -> dict[str, list[Trajectory]]:
@@ -222,6 +227,24 @@ def make_sinks(metrics_cfg, run_dir: Path, config: dict | None = None) -> MultiS
              SinkKind.WANDB: lambda: WandbSink(run_dir, w.project, w.entity, w.mode, config),
              SinkKind.NULL: NullSink}
     return MultiSink([build[kind]() for kind in dict.fromkeys(metrics_cfg.sinks)])
+
+
+def run_header(cfg: TrainConfig, run_dir: Path) -> str:
+    """The few settings that say what a run is, for its first lines; the whole resolved config
+    is in ``<run_dir>/config.yaml``."""
+    mix = ", ".join(f"{t.name} x{t.weight:g}" for t in cfg.env_tasks)
+    pools = ", ".join(f"{p.name} {p.workers}x{p.profile}" for p in effective_pools(cfg))
+    policy = cfg.policy.path or (f"tiny {cfg.policy.model_type} (random init, seed "
+                                 f"{cfg.policy.init_seed})")
+    backend = cfg.engine.backend["_component_"]
+    return "\n".join([
+        f"run {run_dir} (full config: {run_dir / 'config.yaml'})",
+        f"  {cfg.mode} {cfg.placement}, {cfg.trainer.max_steps} steps of "
+        f"{cfg.trainer.groups_per_step} groups (~{batch_trajectories(cfg)} trajectories), "
+        f"max staleness {cfg.rollout.max_staleness}, seed {cfg.seed}",
+        f"  policy: {policy}; engine: {backend if isinstance(backend, str) else describe(backend)}",
+        f"  env tasks: {mix}",
+        f"  reward: {cfg.reward.backend}; pools: {pools}"])
 
 
 class ProgressLine:
