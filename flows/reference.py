@@ -6,7 +6,7 @@ turn rewards into group-relative advantages, train one step, load the new weight
 calls the very functions the Dask flow submits as tasks (:class:`tasks.stages.Stages`), the same
 inference backend, trainer, loss, collector and seeds, so for the same config and seed it
 produces the same tokens, rewards and losses as ``flows/train.py`` with ``mode=sync`` (tested on
-a greedy policy by ``tests/test_seams.py::test_reference_loop_is_the_oracle_of_the_dask_flow``).
+a greedy policy by ``tests/integration/test_seams.py::test_reference_loop_is_the_oracle_of_the_dask_flow``).
 What the Dask flow adds is *where* and *when*: pools, trajectory-level asynchrony, bounded
 staleness, serverless reward.
 

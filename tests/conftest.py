@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny policy, and real Dask clusters whose workers advertise pool tags."""
+"""Shared fixtures: the tiny policy, engines and backends over it, observation records, and a
+Chromium for the dashboard page's screenshots. The overrides of a short run are in
+:mod:`tests` (``QUIET``, ``SMALL``, ``NO_PICTURES``); Dask clusters are started by the modules
+that use them, one per module where tests can share it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from resources.engine import HFBackend, InferenceEngine  # noqa: E402
 from tasks.policy import load_policy, stop_token_ids  # noqa: E402
 from tasks.records import EnvHandle, EnvObservation  # noqa: E402
 from tasks.specs import PolicySpec  # noqa: E402
+from tests import ROOT  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -53,15 +57,8 @@ def obs():
     return lambda ids: EnvObservation(handle=EnvHandle("w", "e"), text="", input_ids=ids)
 
 
-@pytest.fixture
-def tiny_cfg_overrides(tmp_path):
-    """Overrides that make a flow run short and quiet."""
-    return ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
-            "cluster.dashboard_port=0"]
-
-
 ARTIFACTS = Path(os.environ.get("ROLLARC_TEST_ARTIFACTS",
-                                Path(__file__).resolve().parent.parent / "test-artifacts"))
+                                ROOT / "test-artifacts"))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ The plugin is registered by the run (``idempotent=True``), so an external schedu
 page without a restart. Dask has no public API for adding a dashboard page: a scheduler we
 start gets the page through ``distributed.dashboard.scheduler.applications`` (so it is in the
 dashboard's "More" menu too), a running one through its Bokeh server's application table
-(:func:`install_page`). ``tests/test_monitor.py`` pins both.
+(:func:`install_page`). ``tests/integration/test_monitor.py`` pins both.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def _register_collector(records: RunRecords):
 def install_page(scheduler) -> bool:
     """Add the RollArc page to the running scheduler's Bokeh server; False when the scheduler
     has no dashboard. Relies on Bokeh's application table (no public API for this; pinned by
-    ``tests/test_monitor.py``)."""
+    ``tests/integration/test_monitor.py``)."""
     try:
         from bokeh.application import Application
         from bokeh.application.handlers.function import FunctionHandler

@@ -18,9 +18,9 @@ from flows.training.lifecycle import TrajState
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step
+from tests import NO_PICTURES, QUIET
 
-QUIET = ["metrics.progress=false", "cluster.dashboard_port=0", "eval.every_steps=0",
-         "cluster.processes=false", "metrics.performance_report=false", "metrics.curves=false"]
+IN_PROCESS = [*QUIET, "cluster.processes=false", *NO_PICTURES]
 STEPS = 2
 
 
@@ -55,7 +55,7 @@ def test_work_that_cannot_finish_after_the_last_step_is_cut_at_end_timeout(tmp_p
     cancelled after rollout.end_timeout_s: the run returns, every trajectory is accounted
     for, the cut ones dropped as run_ended with the reason, no environment left open."""
     marker = tmp_path / "trained"
-    cfg = load_config(overrides=[*QUIET, f"trainer.max_steps={STEPS}", "reward.backend=local",
+    cfg = load_config(overrides=[*IN_PROCESS, f"trainer.max_steps={STEPS}", "reward.backend=local",
                                  "trainer.groups_per_step=2", "rollout.end_timeout_s=2",
                                  "rollout.turn_timeout_s=300"])
     stages = Stages(train_step=LastStepMarks(marker, STEPS), env_step=HangsAfter(marker, 8))

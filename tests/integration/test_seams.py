@@ -15,10 +15,10 @@ from flows.training.lifecycle import RunFailing, TrajState
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step
+from tests import QUIET
 
 pytestmark = pytest.mark.integration
 
-QUIET = ["metrics.progress=false", "cluster.dashboard_port=0", "eval.every_steps=0"]
 
 # train batches as the trainer received them; the oracle test runs in-process workers, so a
 # module-level function (pickled by reference) appends to this very list
@@ -161,7 +161,7 @@ def test_a_reward_an_environment_and_a_stage_defined_here_replace_the_packages(t
     assert summary["reward"]["lost"] == {} and summary["trajectories"]["trained"] > 0
     engines = [w["engine"] for w in summary["workers"].values() if "engine" in w]
     assert len(engines) == 2 and all(e["label"] == "from-the-test" for e in engines)
-    assert "<python: tests.test_seams." in (tmp_path / "run" / "config.yaml").read_text()
+    assert "<python: tests.integration.test_seams." in (tmp_path / "run" / "config.yaml").read_text()
 
     # the lambda backend cannot run a function that was never deployed: refused before any
     # cluster starts, with one line that says why

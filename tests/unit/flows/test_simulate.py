@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +17,8 @@ from flows.training import orchestration
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
 from resources.sim_engine import Clock, SimEngine
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LONG_TAIL = ROOT / "config" / "bench" / "long_tail.yaml"
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 PACKAGES = ("flows", "tasks", "resources")
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from flows.monitoring.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1200)]
 

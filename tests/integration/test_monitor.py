@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster
@@ -19,11 +18,10 @@ from flows.config import ConfigError, load_config
 from flows.monitoring.metrics import check_sinks, read_metrics
 from flows.monitoring.monitor import DATA_PATH, PAGE, install_monitor, metric_name, page_url
 from flows.training.lifecycle import DropReason
+from tests import ROOT, SMALL
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
-QUIET = ["trainer.groups_per_step=2", "metrics.progress=false", "eval.every_steps=0"]
 
 
 def fetch(base: str, path: str) -> str:
@@ -45,7 +43,7 @@ def prometheus_value(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def session():
-    s = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0"])
+    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0"])
     yield s
     s.close()
 
@@ -54,7 +52,7 @@ def session():
 def finished_run(session, tmp_path_factory):
     """Two steps trained in two calls, every sink on, two trajectories dumped per step."""
     run_dir = tmp_path_factory.mktemp("runs") / "chunks"
-    run = session.run(overrides=[*QUIET, "trainer.max_steps=2", "eval.every_steps=2",
+    run = session.run(overrides=[*SMALL, "trainer.max_steps=2", "eval.every_steps=2",
                                  "eval.episodes=4", "metrics.dump_trajectories=2",
                                  "metrics.sinks=[jsonl,tensorboard,wandb]",
                                  "rollout.cohort_per_env_task=true"],
@@ -189,7 +187,7 @@ def test_an_interrupt_cancels_the_run_and_leaves_the_cluster_usable(session, tmp
         if seen["n"] == 150:
             raise KeyboardInterrupt
 
-    run = session.run(overrides=[*QUIET, "trainer.max_steps=3"], run_dir=tmp_path / "cut",
+    run = session.run(overrides=[*SMALL, "trainer.max_steps=3"], run_dir=tmp_path / "cut",
                       on_transition=interrupt_midway)
     with pytest.raises(KeyboardInterrupt):
         run.train()
@@ -205,7 +203,7 @@ def test_an_interrupt_cancels_the_run_and_leaves_the_cluster_usable(session, tmp
     env_tasks = {i.split("/")[0] for i in run.time_by_stage().index}
     assert env_tasks <= {"frozenlake", "guess_number", "mixed", "reward", "trainer"}
     # the same cluster trains the next run
-    again = session.run(overrides=[*QUIET, "trainer.max_steps=1"], run_dir=tmp_path / "again")
+    again = session.run(overrides=[*SMALL, "trainer.max_steps=1"], run_dir=tmp_path / "again")
     again.train()
     assert again.close()["policy_version"] == 1
 

@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,8 +42,8 @@ from tasks.hc_pinn.study import (
     summarise,
     verdict,
 )
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 STUDY = ROOT / "flows" / "hc_pinn_study.py"
 # the flow imports this checkout's packages, wherever the editable install points
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(

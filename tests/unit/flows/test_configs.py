@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,8 @@ from flows.config.derived import effective_pools, lambda_function_of
 from flows.training.launch import start_reward_service
 from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.components import accepts, describe, instantiate, resolve
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # config/deploy/ holds deployment specs (Kubernetes, SLURM), not training configs.
 CONFIGS = sorted(p for p in (ROOT / "config").rglob("*.yaml") if p.parent.name != "deploy")
 
@@ -176,8 +175,8 @@ def test_python_objects_as_components_and_a_callable_reward_needs_the_local_back
     assert cfg.env_tasks[0].env["_component_"] is MyEnv
     fns = reward_callables(cfg)
     assert fns[f"{describe(my_reward)}@frozenlake"] is my_reward
-    assert fns["partial(tests.test_configs.scaled)@guess_number"].keywords == {"scale": 2.0}
-    assert "<python: tests.test_configs." in resolved_yaml(cfg)
+    assert fns["partial(tests.unit.flows.test_configs.scaled)@guess_number"].keywords == {"scale": 2.0}
+    assert "<python: tests.unit.flows.test_configs." in resolved_yaml(cfg)
     cfg.env_tasks[0].env = {"_component_": MyEnv, "bogus": 1}
     with pytest.raises(ConfigError, match="env_tasks.0.env"):
         validate(cfg)

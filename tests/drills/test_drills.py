@@ -5,7 +5,7 @@ recovers. Every run reaches its final step, with ``started == trained + dropped`
 environment instance at the end.
 
 Two representative drills run in the default suite; the rest are marked ``long``. A failing
-drill names its seed: ``ROLLARC_DRILL_SEED=N pytest tests/test_drills.py -k NAME`` replays it.
+drill names its seed: ``ROLLARC_DRILL_SEED=N pytest tests/drills/test_drills.py -k NAME`` replays it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tasks.generation import load_weights
 from tasks.records import TurnSample
 from tasks.stages import Stages
 from tasks.trainer import save_checkpoint, train_step
+from tests import NO_PICTURES, SMALL
 from tests.external_cluster import (
     ROOT,
     ExternalCluster,
@@ -37,8 +38,7 @@ from tests.external_cluster import (
 
 pytestmark = pytest.mark.integration
 
-QUIET = ["trainer.groups_per_step=2", "metrics.progress=false", "eval.every_steps=0",
-         "metrics.performance_report=false", "metrics.curves=false"]
+DRILL = [*SMALL, *NO_PICTURES]
 STEPS = 5
 
 
@@ -50,7 +50,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def session(cluster):
-    s = Session.connect(cluster.address, overrides=QUIET)
+    s = Session.connect(cluster.address, overrides=DRILL)
     yield s
     s.close()
 
@@ -107,7 +107,7 @@ def _drill(session, cluster, tmp_path, tags: list[str], seed: int, steps: int = 
            gap: float = 1.0, overrides: tuple[str, ...] = ()) -> tuple[dict, object, list]:
     step, delay = random_moment(seed, steps)
     what = f"drill {tags} at the cut of step {step} + {delay} s (ROLLARC_DRILL_SEED={seed})"
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={steps}", *overrides],
+    run = session.run(overrides=[*DRILL, f"trainer.max_steps={steps}", *overrides],
                       run_dir=tmp_path / "run")
     killed = _kill_at(run, cluster, tags, step, delay, steps, gap)
     run.train()
@@ -129,7 +129,7 @@ def test_train_py_on_an_external_cluster_survives_a_killed_decode_worker(fresh, 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "flows/train.py", "--scheduler", fresh.address, "--run-dir",
-         str(run_dir), f"trainer.max_steps={STEPS}", *QUIET],
+         str(run_dir), f"trainer.max_steps={STEPS}", *DRILL],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -160,7 +160,7 @@ def test_dask_recomputing_a_lost_result_does_not_replay_an_environment(session, 
     would come back with nothing to close it: live instances at the end of a drill) and its
     step (an action applied twice). The environment worker refuses both; the tasks that needed
     them fail instead, and no instance is left behind."""
-    run = session.run(overrides=[*QUIET, "trainer.max_steps=1"], run_dir=tmp_path / "run")
+    run = session.run(overrides=[*DRILL, "trainer.max_steps=1"], run_dir=tmp_path / "run")
     client = session.client
     workers = fresh.workers_by_tag()
     env_w, dec_w = workers["CPU_ENV"], workers["GPU_BANDWIDTH"]
@@ -213,7 +213,7 @@ def test_the_trainer_killed_mid_step_with_the_default_config_resumes(session, fr
     rebuilt from it on the Nanny's new worker; no step is repeated or missing."""
     stages = Stages(train_step=KillOnce(train_step, Moment.TRAIN_STEP,
                                         str(tmp_path / "killed"), version=2))
-    run = session.run(overrides=[*QUIET, "trainer.max_steps=4"], run_dir=tmp_path / "run",
+    run = session.run(overrides=[*DRILL, "trainer.max_steps=4"], run_dir=tmp_path / "run",
                       stages=stages)
     run.train()
     summary = run.close()
@@ -245,7 +245,7 @@ def test_two_kills_in_a_row(session, fresh, tmp_path):
 def test_an_inference_worker_killed_while_it_loads_weights(session, fresh, tmp_path, tag):
     stages = Stages(load_weights=KillOnce(load_weights, Moment.LOAD_WEIGHTS,
                                           str(tmp_path / "killed"), version=2, tag=tag))
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}"],
+    run = session.run(overrides=[*DRILL, f"trainer.max_steps={STEPS}"],
                       run_dir=tmp_path / "run", stages=stages)
     run.train()
     summary = run.close()
@@ -262,7 +262,7 @@ def test_a_kill_while_the_run_recovers_from_the_previous_one(session, fresh, tmp
     inner = KillOnce(load_weights, Moment.LOAD_WEIGHTS, first, version=2, tag="GPU_BANDWIDTH")
     stages = Stages(load_weights=KillOnce(inner, Moment.LOAD_WEIGHTS, second,
                                           tag="GPU_BANDWIDTH", after=first))
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}"],
+    run = session.run(overrides=[*DRILL, f"trainer.max_steps={STEPS}"],
                       run_dir=tmp_path / "run", stages=stages)
     run.train()
     summary = run.close()
@@ -280,7 +280,7 @@ def test_the_trainer_killed_while_writing_a_checkpoint(session, fresh, tmp_path)
     stages = Stages(save_checkpoint=KillOnce(save_checkpoint, Moment.SAVE_CHECKPOINT,
                                              str(tmp_path / "killed"), version=2,
                                              finish_first=True))
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}",
+    run = session.run(overrides=[*DRILL, f"trainer.max_steps={STEPS}",
                                  "trainer.checkpoint_every=2"],
                       run_dir=tmp_path / "run", stages=stages)
     run.train()

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from tests import ROOT
+
 pytestmark = pytest.mark.integration
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from tasks.policy import (
     stop_token_ids,
 )
 from tasks.tiny_tokenizer import ENV_WORDS, WORDS
+from tests import ROOT
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>'"
@@ -83,7 +83,7 @@ def test_checkpoint_without_template_uses_plain_text(tmp_path):
 def test_policy_does_not_import_the_environments():
     code = ("import sys, tasks.policy; tasks.policy.build_tokenizer(); "
             "assert not [m for m in sys.modules if m.startswith('tasks.envs')], sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_tiny_template_ends_an_assistant_message_with_its_end_token():

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from distributed import Client, LocalCluster, Worker
@@ -20,8 +19,8 @@ from flows.training.lifecycle import DropReason
 from flows.training.orchestration import pick_shard
 from resources.placement import placement_snapshot
 from resources.pools import Tag
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "flows" / "train.py")
 # in-process workers: two clusters start in seconds; each still has a scheduler of its own
 SHARDED = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",

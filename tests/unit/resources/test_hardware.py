@@ -32,9 +32,7 @@ from resources.hardware import (
     worker_resources,
 )
 from resources.pools import Role, Stage, Tag
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests import ROOT
 
 # ---- GPU name -> profile, detection, the preload's options -------------------------------
 

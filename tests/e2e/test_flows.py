@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +20,10 @@ from flows.training.launch import make_cluster
 from flows.training.run import TrainingRun
 from tasks.policy import load_policy
 from tasks.specs import PolicySpec
+from tests import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "flows" / "train.py")
 SHORT = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
          "cluster.dashboard_port=0"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
@@ -18,10 +17,10 @@ from flows.benchmarks.scheduler import (
     measure,
     save_capacity,
 )
+from tests import ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _alive_children() -> set[int]:

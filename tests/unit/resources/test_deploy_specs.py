@@ -16,8 +16,9 @@ from flows.config import load_config
 from flows.training.launch import pool_router
 from resources.hardware import dask_setup, group_pools, make_advert
 from resources.pools import Tag
+from tests import ROOT
 
-DEPLOY = Path(__file__).resolve().parent.parent / "config" / "deploy"
+DEPLOY = ROOT / "config" / "deploy"
 
 # What the cost model of the default config must make of the example pools.
 EXPECTED_TAGS = {

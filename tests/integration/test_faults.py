@@ -19,16 +19,16 @@ from flows.training.run import PoolLost
 from resources.cluster import WORKER_ENV
 from resources.placement import placement_snapshot
 from resources.pools import Tag
+from tests import SMALL
 
 pytestmark = pytest.mark.integration
 
-QUIET = ["trainer.groups_per_step=2", "metrics.progress=false", "eval.every_steps=0"]
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def session():
-    s = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0"])
+    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0"])
     yield s
     s.close()
 
@@ -61,7 +61,7 @@ def _accounts_close(summary: dict, steps: int = STEPS) -> dict:
 @pytest.mark.parametrize("tag", [Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV,
                                  Tag.SERVERLESS, Tag.TRAINER])
 def test_a_killed_worker_of_any_pool_does_not_stop_the_run(session, tag, tmp_path):
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}",
+    run = session.run(overrides=[*SMALL, f"trainer.max_steps={STEPS}",
                                  "trainer.checkpoint_every=1"],
                       run_dir=tmp_path / str(tag))
     killed = _kill_at_cut(run, tag, step=2)
@@ -95,7 +95,7 @@ def test_a_killed_worker_of_any_pool_does_not_stop_the_run(session, tag, tmp_pat
 def test_a_worker_added_mid_run_loads_the_weights_then_gets_work(session, tmp_path):
     """A second decode worker joins after the first step (``dask worker``, as a user adds
     one): it loads the current version first, then takes decode work."""
-    run = session.run(overrides=[*QUIET, f"trainer.max_steps={STEPS}"],
+    run = session.run(overrides=[*SMALL, f"trainer.max_steps={STEPS}"],
                       run_dir=tmp_path / "grow")
     run.train(1)
     before = len(session.client.scheduler_info()["workers"])
@@ -136,7 +136,7 @@ def test_environment_crashes_hangs_and_a_straggling_pool_are_survived(session, t
     it), straggling sandboxes, and a decode pool three times slower than it should be."""
     scored = Counter()
     run = session.run(overrides=[
-        *QUIET, f"trainer.max_steps={STEPS}", "rollout.max_attempts=3",
+        *SMALL, f"trainer.max_steps={STEPS}", "rollout.max_attempts=3",
         "faults.env.crash_rate=0.03", "faults.env.hang_rate=0.05", "faults.env.hang_s=20",
         "rollout.turn_timeout_s=3",
         "faults.env.step_latency={kind: heavy_tail, p50_s: 0.002, p99_over_p50: 100}",
@@ -159,7 +159,7 @@ def test_reward_service_faults_score_every_trajectory_once_or_drop_it(session, t
     finished trajectory is scored exactly once or dropped with the reason."""
     scored = Counter()
     run = session.run(overrides=[
-        *QUIET, f"trainer.max_steps={STEPS}", "faults.reward.throttle_rate=0.15",
+        *SMALL, f"trainer.max_steps={STEPS}", "faults.reward.throttle_rate=0.15",
         "faults.reward.error_5xx_rate=0.1", "faults.reward.function_error_rate=0.1",
         "faults.reward.timeout_rate=0.05", "faults.reward.timeout_s=0.5",
         "faults.reward.seed=30"],  # its first 8 calls draw every kind of fault
@@ -180,10 +180,10 @@ def test_reward_service_faults_score_every_trajectory_once_or_drop_it(session, t
 def test_a_pool_left_empty_stops_the_run_with_a_checkpoint_instead_of_hanging(tmp_path):
     """The reward pool's only worker is retired for good: past cluster.pool_empty_timeout_s
     the run stops with one line naming the pool, and a checkpoint to resume from."""
-    session = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0",
+    session = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0",
                                        "cluster.processes=false"])
     try:
-        run = session.run(overrides=[*QUIET, "trainer.max_steps=50",
+        run = session.run(overrides=[*SMALL, "trainer.max_steps=50",
                                      "cluster.pool_empty_timeout_s=2"], run_dir=tmp_path / "r")
         run.train(1)
         reward_worker = session.cluster.workers_with(Tag.SERVERLESS)[0]
@@ -206,10 +206,10 @@ def test_the_environment_pool_grows_with_demand_and_shrinks_without_losing_an_in
     slow sandbox), the pool grows; they get fast again, it drains a worker and retires it once
     its trajectories are done — no instance lost, no trajectory restarted."""
     small_env = ["cluster.pools.2.slots=8", "cluster.processes=false"]
-    session = Session.start(overrides=[*QUIET, "cluster.dashboard_port=0", *small_env])
+    session = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0", *small_env])
     try:
         run = session.run(overrides=[
-            *QUIET, *small_env, "trainer.max_steps=14", "cluster.adaptive_env.enabled=true",
+            *SMALL, *small_env, "trainer.max_steps=14", "cluster.adaptive_env.enabled=true",
             "cluster.adaptive_env.max_workers=3", "cluster.adaptive_env.window_s=2",
             "cluster.adaptive_env.cooldown_s=2"], run_dir=tmp_path / "elastic")
         envs = {t.name: t.env for t in run.cfg.env_tasks}
