@@ -102,7 +102,15 @@ class ClusterHandle:
 # driver of a long run, which hosts the embedded scheduler, that grew the process by 175 MB over
 # 80 train steps of the default. The run keeps 50: enough to debug a connection.
 DEBUG_LOG_LENGTH = 50
-DEBUG_LOG_KEY = "distributed.admin.low-level-log-length"
+# The dashboard's task stream (``distributed.scheduler.dashboard.tasks.task-stream-length``,
+# 100,000 by default) keeps a record of every task the scheduler saw finish, about 1 KB each
+# (960 bytes for a task that only computed): the default runs 80 to 100 tasks a train step, more
+# under faults, so the buffer grew the driver by about 0.1 MB a step for 1,000 steps. The run
+# keeps the last 10,000 tasks (some 100 steps): the dashboard's task stream and the performance
+# report show those.
+TASK_STREAM_LENGTH = 10_000
+BOUNDED_LOGS = {"distributed.admin.low-level-log-length": DEBUG_LOG_LENGTH,
+                "distributed.scheduler.dashboard.tasks.task-stream-length": TASK_STREAM_LENGTH}
 
 # Worker processes log warnings only, never reach for a model hub, and keep short debug logs.
 WORKER_ENV = {"DASK_LOGGING__DISTRIBUTED": "warning", "TRANSFORMERS_VERBOSITY": "error",
@@ -110,13 +118,14 @@ WORKER_ENV = {"DASK_LOGGING__DISTRIBUTED": "warning", "TRANSFORMERS_VERBOSITY": 
               "DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH": str(DEBUG_LOG_LENGTH)}
 
 
-def short_debug_logs() -> None:
-    """This process's Dask debug logs kept to DEBUG_LOG_LENGTH (before its client and an
-    embedded scheduler are made: each connection reads the length when it opens). A length
-    the user set lower is kept."""
-    length = dask.config.get(DEBUG_LOG_KEY)
-    if length is None or length > DEBUG_LOG_LENGTH:
-        dask.config.set({DEBUG_LOG_KEY: DEBUG_LOG_LENGTH})
+def bounded_logs() -> None:
+    """This process's Dask logs of recent messages and tasks kept to :data:`BOUNDED_LOGS`
+    (before its client and an embedded scheduler are made: each reads its length when it
+    starts). A length the user set lower is kept."""
+    for key, length in BOUNDED_LOGS.items():
+        current = dask.config.get(key, None)
+        if current is None or current > length:
+            dask.config.set({key: length})
 
 
 def _free_port(preferred: int) -> int:
@@ -156,7 +165,7 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
     connection (client, scheduler, workers) is TLS."""
     warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
                     "send)", host)
-    short_debug_logs()
+    bounded_logs()
     port = _free_port(dashboard_port) if dashboard_port else 0
     tls = {"security": security, "protocol": "tls"} if security is not None else {}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": unparse_host_port(host, port),
@@ -179,7 +188,7 @@ def connect(
 ) -> ClusterHandle:
     """Connect to a running scheduler; with ``route_pools``, the workers advertising hardware
     are pooled and given the tags it routes them; ``security`` for a ``tls://`` scheduler."""
-    short_debug_logs()
+    bounded_logs()
     client = Client(address, timeout=timeout, security=security)
     client.wait_for_workers(1, timeout=timeout)
     return _describe(client, None, route_pools)

@@ -92,3 +92,18 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
     # decode's own past cache was already local: never fetched by the decode worker
     assert not [e for e in logs[dec_w] if dec0.key in e["keys"]]
     assert obs.key not in {k for e in logs[dec_w] for k in e["keys"]}
+
+
+def test_the_embedded_scheduler_keeps_short_logs_of_messages_and_tasks(cluster):
+    """Dask's logs of recent messages and the dashboard's task stream are bounded (a long run's
+    driver hosts the embedded scheduler; unbounded, they grow it step after step)."""
+    from distributed.diagnostics.task_stream import TaskStreamPlugin
+
+    from resources.cluster import DEBUG_LOG_LENGTH, TASK_STREAM_LENGTH
+
+    def lengths(dask_scheduler):
+        plugin = TaskStreamPlugin(dask_scheduler)  # what the dashboard and report install
+        return plugin.buffer.maxlen, dask_scheduler.transition_log.maxlen
+
+    _cfg, h = cluster
+    assert h.client.run_on_scheduler(lengths) == (TASK_STREAM_LENGTH, DEBUG_LOG_LENGTH)
