@@ -318,11 +318,8 @@ class Run:
             run.update_env("frozenlake", {"_component_": "tasks.envs.latency.RemoteLatency",
                                           "env": cfg_env, "step_latency": 0.3})
         """
-        specs = self._run.driver.env_specs
-        if env_task not in specs:
-            raise KeyError(f"no env task {env_task!r}; env tasks: {sorted(specs)}")
         check_component(env)
-        specs[env_task] = with_env_faults(self.cfg.faults, env)
+        self._run.driver.replace_env(env_task, with_env_faults(self.cfg.faults, env))
 
     def metrics(self, kind: str = "train"):
         """The run's rows as a pandas DataFrame: ``train`` (indexed by ``train/step``) or

@@ -121,8 +121,11 @@ class EventLoop:
         done = [f for f in batch if f.status == "finished"]
         try:
             # Client.gather with a time limit: a result lost with its worker is rescheduled,
-            # and a task pinned to a dead worker would keep the gather waiting for ever
-            results = self.client.sync(self.client._gather, done,
+            # and a task pinned to a dead worker would keep the gather waiting for ever. Direct
+            # from the workers: the results need not pass through the scheduler, and a gather
+            # through it logs an event on the "all" topic, whose last 50 events (the run's
+            # bounded Dask logs) would then hold only gathers, not the run's milestones
+            results = self.client.sync(self.client._gather, done, direct=True,
                                        callback_timeout=GATHER_TIMEOUT_S)
             return dict(zip((f.key for f in done), results, strict=True))
         except Exception:  # a result was lost in between (worker died): fetch one by one

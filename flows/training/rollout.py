@@ -90,7 +90,8 @@ class RolloutDriver:
     def __init__(self, client: Client, cfg: TrainConfig, router: Router,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
                  devices: dict[str, DeviceModel] | None = None,
-                 spans: StageSpans | None = None, key_tag: str = ""):
+                 spans: StageSpans | None = None, key_tag: str = "",
+                 env_specs: dict[str, dict] | None = None):
         self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
         # ends every key: runs sharing a cluster never share a key (nor an old key's result)
         self.key_tag = key_tag
@@ -100,8 +101,10 @@ class RolloutDriver:
         self.stages, self.run_id = stages, run_id
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
-        # each env task's environment, with the faults of faults.env injected
-        self.env_specs = {t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
+        # each env task's environment, with the faults of faults.env injected; rollout shards
+        # pass the first shard's table, so that replace_env reaches them all
+        self.env_specs = env_specs if env_specs is not None else {
+            t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
         # consecutive failed turns, retries included, before the run stops with the last error
         self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, batch_trajectories(cfg))
         # evaluation decodes greedily: the policy's best answer, not a sample
@@ -163,6 +166,13 @@ class RolloutDriver:
             return self.client.submit(
                 adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
                 resources=demand(stage, tag), pure=False, **kwargs)
+
+    def replace_env(self, env_task: str, env_spec: dict) -> None:
+        """The environment (a component spec, faults included) of ``env_task``'s trajectories
+        started from now on."""
+        if env_task not in self.env_specs:
+            raise KeyError(f"no env task {env_task!r}; env tasks: {sorted(self.env_specs)}")
+        self.env_specs[env_task] = env_spec
 
     def take_id(self, evaluation: bool = False) -> int:
         """The next trajectory id (evaluation episodes count on from ``EVAL_ID_OFFSET``)."""

@@ -142,11 +142,10 @@ class RolloutShards:
                 if not cluster.workers_with(tag):
                     raise RuntimeError(f"rollout shard {k}: no worker advertises {tag}")
             router = Router({str(t): cluster.workers_with(t) for t in ROLLOUT_TAGS})
+            # one table of environments for every shard: Run.update_env reaches them all
             driver = RolloutDriver(cluster.client, cfg, router, ledger, stages, run_id,
                                    devices=devices_of(cluster), spans=spans,
-                                   key_tag=f"{key_tag}.s{k}")
-            # one table of environments for every shard: Run.update_env reaches them all
-            driver.env_specs = primary.env_specs
+                                   key_tag=f"{key_tag}.s{k}", env_specs=primary.env_specs)
             compute = set(cluster.workers_with(Tag.GPU_COMPUTE))
             inference = {w: (Tag.GPU_COMPUTE if w in compute else Tag.GPU_BANDWIDTH)
                          for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
