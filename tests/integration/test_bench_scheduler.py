@@ -37,7 +37,10 @@ def test_measure_counts_add_up_and_round_trip(tmp_path):
     for static, mapped in ((cap.static, False), (cap.static_mapped, True)):
         assert static.mapped is mapped and static.chains == 40 and static.tasks == 120
         assert static.wall_s > 0 and static.tasks_per_s > 0
-        assert static.scheduler_us_per_task > 0 and static.driver_us_per_task > 0
+        assert static.scheduler_us_per_task > 0
+        # process CPU times tick every 10 ms: the mapped run's driver (three map calls, one
+        # wait, some 80 ms) may spend less than a tick, and then measures 0
+        assert static.driver_us_per_task > 0 if not mapped else static.driver_us_per_task >= 0
     assert [r.concurrency for r in cap.dynamic] == [2, 8]
     assert all(r.cohort == 1 for r in cap.dynamic)
     for r in cap.dynamic:
