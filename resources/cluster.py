@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass, field
 
 import dask
+from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, SpecCluster, Worker
 from distributed.comm.addressing import unparse_host_port
 from distributed.security import Security
@@ -128,6 +129,22 @@ def bounded_logs() -> None:
             dask.config.set({key: length})
 
 
+LOST_WORKER_TIMEOUT = "distributed.deploy.lost-worker-timeout"
+
+
+def keep_restarting_lost_workers(seconds: float) -> None:
+    """A worker of the embedded cluster killed mid-run is restarted by its Nanny; but
+    ``SpecCluster`` closes the Nanny of a worker that has not come back within
+    ``distributed.deploy.lost-worker-timeout`` (15 s by default), and does not start it again:
+    a restart slower than that (torch and the engine loading on a busy machine) would leave its
+    pool empty for the rest of the run. The embedded cluster waits ``seconds`` (the run's
+    ``cluster.pool_empty_timeout_s``, after which the run stops anyway). A longer time the user
+    set is kept."""
+    current = parse_timedelta(dask.config.get(LOST_WORKER_TIMEOUT, None)) or 0
+    if current < seconds:
+        dask.config.set({LOST_WORKER_TIMEOUT: f"{seconds}s"})
+
+
 def _free_port(preferred: int) -> int:
     """The preferred port if free, else the next free one."""
     for port in range(preferred, preferred + 100):
@@ -159,13 +176,16 @@ def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: b
 
 def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashboard_port: int = 8787,
                         processes: bool = True, timeout: float = 120, host: str = LOOPBACK,
-                        security: Security | None = None) -> ClusterHandle:
+                        security: Security | None = None,
+                        lost_worker_timeout_s: float = 300) -> ClusterHandle:
     """The embedded cluster, its scheduler and dashboard on ``host`` (loopback by default; any
     other address is logged as reachable from other machines). With ``security`` every
-    connection (client, scheduler, workers) is TLS."""
+    connection (client, scheduler, workers) is TLS. A killed worker is restarted by its Nanny
+    for up to ``lost_worker_timeout_s`` (:func:`keep_restarting_lost_workers`)."""
     warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
                     "send)", host)
     bounded_logs()
+    keep_restarting_lost_workers(lost_worker_timeout_s)
     port = _free_port(dashboard_port) if dashboard_port else 0
     tls = {"security": security, "protocol": "tls"} if security is not None else {}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": unparse_host_port(host, port),

@@ -1,5 +1,5 @@
 """Starting and stopping what a run needs: the cluster, the reward service, the ordered
-shutdown. :mod:`flows.api` runs training on them."""
+shutdown; the workers' engines as the device model sees them. :mod:`flows.api` runs training on them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,18 @@ import logging
 from flows.config import ConfigError, TrainConfig
 from flows.config.choices import RewardBackend
 from flows.config.derived import (
+    device_model,
     effective_pools,
     lambda_functions,
+    pool_hardware,
     reward_client_settings,
     tls_security,
 )
+from flows.training.turn_placement import Dispatch
 from resources.affinity import pool_tags, route
+from resources.catalog import HardwareProfile
 from resources.cluster import ClusterHandle, connect, start_local_cluster
+from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
 from resources.lambda_emulator import LambdaEmulator
 from resources.pools import PoolSpec, Tag
@@ -54,7 +59,8 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     pools = effective_pools(cfg)
     return start_local_cluster(pools, router(pools), cfg.cluster.dashboard_port,
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s,
-                               host=cfg.cluster.host, security=security)
+                               host=cfg.cluster.host, security=security,
+                               lost_worker_timeout_s=cfg.cluster.pool_empty_timeout_s)
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
@@ -100,3 +106,22 @@ def close_quietly(cluster: ClusterHandle) -> None:
     driver's Dask loggers no longer report connections going away while it closes."""
     quiet_close()
     cluster.close()
+
+
+def worker_devices(cfg: TrainConfig, cluster: ClusterHandle) -> dict[str, DeviceModel] | None:
+    """``rollout.dispatch=length_aware``: each inference worker's engine of ``cluster`` as the
+    device model sees it (None: the split, also when a worker's pool is unknown)."""
+    if cfg.rollout.dispatch is Dispatch.SPLIT:
+        return None
+    hardware, model = pool_hardware(cfg), device_model(cfg)
+    devices = {}
+    for tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
+        for w in cluster.workers_with(tag):
+            pool = cluster.worker_pool.get(w)
+            if pool not in hardware:
+                logger.warning("worker %s is in no configured pool: turns are split", w)
+                return None
+            profile, gpus = hardware[pool]
+            devices[w] = DeviceModel(model, HardwareProfile(**profile), gpus,
+                                     cfg.engine.device.mfu, cfg.engine.device.mbu)
+    return devices

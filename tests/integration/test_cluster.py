@@ -8,6 +8,7 @@ import pickle
 
 import numpy as np
 import pytest
+from distributed import Scheduler
 
 from flows.config import load_config
 from flows.training.launch import make_cluster
@@ -107,3 +108,43 @@ def test_the_embedded_scheduler_keeps_short_logs_of_messages_and_tasks(cluster):
 
     _cfg, h = cluster
     assert h.client.run_on_scheduler(lengths) == (TASK_STREAM_LENGTH, DEBUG_LOG_LENGTH)
+
+
+@pytest.mark.long
+def test_a_killed_worker_whose_restart_is_slow_comes_back(tmp_path):
+    """SpecCluster closes the Nanny of a lost worker that has not come back within
+    distributed.deploy.lost-worker-timeout (15 s by default; 1 s here, against a 4 s restart):
+    its pool stays empty for good. The embedded cluster waits as long as the run would."""
+    import signal
+    import time
+
+    import dask
+    from distributed import Client, Nanny, SpecCluster
+
+    from resources.cluster import LOST_WORKER_TIMEOUT, keep_restarting_lost_workers
+
+    marker = tmp_path / "slow"
+
+    def kill_and_wait(keep: bool) -> bool:
+        marker.unlink(missing_ok=True)
+        with dask.config.set({LOST_WORKER_TIMEOUT: "1s"}):
+            if keep:
+                keep_restarting_lost_workers(30)
+            spec = {"w": {"cls": Nanny, "options": {
+                "nthreads": 1, "preload": ["tests.slow_restart"], "silence_logs": 40,
+                "env": {"ROLLARC_TEST_SLOW_START": str(marker)}}}}
+            with SpecCluster(workers=spec, scheduler={"cls": Scheduler, "options": {
+                    "dashboard_address": ":0"}}, silence_logs=40) as cluster, \
+                    Client(cluster) as client:
+                client.wait_for_workers(1, timeout=60)
+                marker.write_text("4")
+                os.kill(next(iter(client.run(os.getpid).values())), signal.SIGKILL)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    if client.scheduler_info(n_workers=-1)["workers"]:
+                        return True
+                return False
+
+    assert not kill_and_wait(keep=False)  # the failure, reproduced
+    assert kill_and_wait(keep=True)
