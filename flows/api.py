@@ -73,6 +73,7 @@ from flows.training.shards import close_shards, start_rollout_shards
 from resources.cluster import ClusterHandle, connect
 from resources.lambda_emulator import LambdaEmulator
 from tasks.components import check_component
+from tasks.records import Trajectory
 from tasks.stages import Stages
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class Run:
                                     stages=stages, on_transition=on_transition,
                                     publish_live=live, shards=session.shards)
             if cfg.metrics.dump_trajectories:
-                self._run.batch_callbacks.append(TrajectoryDump(
+                self.on_batch(TrajectoryDump(
                     self.run_dir / "trajectories.txt", cfg.metrics.dump_trajectories, cfg.seed))
             if cfg.metrics.dashboard:
                 publish(client, RecordKind.RUN_START, {
@@ -283,6 +284,27 @@ class Run:
     @property
     def ended(self) -> bool:
         return self.status in ENDED
+
+    def on_batch(self, callback: Callable[[int, list[Trajectory]], None]) -> None:
+        """Call ``callback(step, trajectories)`` with every train batch as it is cut (``step``:
+        the policy version its train step will publish)."""
+        self._run.batch_callbacks.append(callback)
+
+    def accounts(self) -> dict:
+        """The trajectory accounts so far: started, finished, trained, dropped by reason, in
+        flight (:meth:`flows.training.lifecycle.TrajectoryLedger.summary`)."""
+        return self._run.ledger.summary()
+
+    @property
+    def worker_versions(self) -> dict[str, int]:
+        """The policy version each inference worker holds, by address."""
+        return dict(self._run.weights.worker_versions)
+
+    @property
+    def env_pool_changes(self) -> list[dict]:
+        """``cluster.adaptive_env``: each change of the environment pool so far (time, action,
+        workers, busy share)."""
+        return [] if self._run.scaler is None else list(self._run.scaler.history)
 
     def train(self, steps: int | None = None):
         """Train ``steps`` more steps (all remaining to ``trainer.max_steps`` when None) and

@@ -63,7 +63,7 @@ def sample(session: Session, run, step: int, elapsed: float) -> dict:
         pool = cluster.worker_pool.get(address, address)
         by_pool[pool] = by_pool.get(pool, 0.0) + mb
         processes[f"{pool}/{pid}"] = round(mb, 1)
-    accounts = run._run.ledger.summary()
+    accounts = run.accounts()
     # the embedded cluster's scheduler runs in the driver's process: then one figure
     return {"step": step, "elapsed_s": round(elapsed, 1),
             "driver_mb": round(_rss_mb(), 1),

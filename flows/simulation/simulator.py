@@ -71,6 +71,7 @@ from flows.config.derived import (
 )
 from flows.training import launch, lifecycle, orchestration, workload
 from flows.training import turn_placement as dispatch_mod
+from flows.training.core import Publish, RunCore
 from resources import emulated
 from resources.catalog import HardwareProfile, get_profile
 from resources.device_model import DeviceModel
@@ -258,17 +259,12 @@ class Simulation:
         self.clock = Clock()
         seed = self.sim.seed if self.sim.seed is not None else cfg.seed
         self.rng = random.Random(f"sim/{seed}")
-        self.ledger = lifecycle.TrajectoryLedger()
-        self.collector = orchestration.GroupCollector()
-        self.draw = orchestration.GroupDraw(cfg.env_tasks, random.Random(cfg.seed))
+        # the run's decisions: the same core as the Dask flow's (a run of ``hours`` trains
+        # until the clock runs out)
+        self.core = RunCore(cfg, max_steps=10**9 if self.sim.hours else None)
+        self.ledger = self.core.ledger
         self.lengths = dispatch_mod.ResponseLengths()
-        # a run of ``hours`` trains until the clock runs out
-        self.max_steps = 10**9 if self.sim.hours else cfg.trainer.max_steps
         self._build_cluster()
-        self.version = 0
-        self.trainer_busy = False
-        self.loads_pending = 0
-        self.stopping = False
         self.ready: list[_Traj] = []
         self.reward_pending: list[tuple[_Traj, Trajectory]] = []
         self.next_id = 0
@@ -288,7 +284,6 @@ class Simulation:
         self.lambda_busy: Counter[str] = Counter()  # instances running, per function
         self.lambda_warm: Counter[str] = Counter()  # instances started, per function
         self.reward_calls = Counter()
-        self._training: list[int] = []
         fns = {t.name: lambda_function_of(cfg.reward, t) for t in cfg.env_tasks}
         self.lambda_function = fns
         self.turn_counts = {t.name: self.sim.turns.get(t.name) or TurnCount(
@@ -301,6 +296,10 @@ class Simulation:
         self._rates_at: tuple | None = None
 
     # -- cluster ---------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.core.version
+
     def _build_cluster(self) -> None:
         cfg = self.cfg
         pools = effective_pools(cfg)
@@ -342,7 +341,7 @@ class Simulation:
         self.trainer_device = emulated.device_of(HardwareProfile(**profile), trainer_gpus(cfg),
                                                  dev)
         self.colocated = cfg.placement == Placement.MONOLITHIC
-        self.pool_slots = max(1, min(sum(self.slots[(w, t)].free for w in by_tag[str(t)])
+        self.core.pool_slots = max(1, min(sum(self.slots[(w, t)].free for w in by_tag[str(t)])
                                      for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, Tag.CPU_ENV)))
         judge = cfg.reward.judge
         self.judge_device = None
@@ -360,18 +359,17 @@ class Simulation:
 
         t0 = time.perf_counter()
         for e in self.engines.values():  # the initial weights, everywhere
-            self.loads_pending += 1
+            self.core.loads_in_flight += 1
             e.pause(e.device.weight_broadcast_time(), self._loaded_initial)
         limit = self.sim.hours * 3600 if self.sim.hours else float("inf")
         # to the end of the clock (hours), or until the last step is trained and the turns in
         # flight have ended (as the flow's loop ends: nothing left in flight)
         self.clock.run(limit, lambda: False)
-        for tid in self.ledger.live():  # as the flow ends: what is left was not trained
-            self.ledger.drop(tid, lifecycle.DropReason.RUN_ENDED)
+        self.core.end()  # as the flow ends: what is left was not trained
         return self._result(time.perf_counter() - t0)
 
     def _loaded_initial(self) -> None:
-        self.loads_pending -= 1
+        self.core.loads_in_flight -= 1
         self._tick()
 
     def _tick(self) -> None:
@@ -394,18 +392,15 @@ class Simulation:
         self._flush_rewards()
 
     def _admit(self) -> None:
-        room = orchestration.admission_room(orchestration.admission_state(
-            self.cfg, self.ledger.rolling_out, self.ledger.unconsumed, self.pool_slots,
-            self.trainer_busy, self.loads_pending > 0, self.stopping))
-        for gid, env_task, seed in self.draw.take(room):
-            self.collector.open_group(gid, env_task.name, env_task.group_size)
+        slots = self.core.pool_slots // self.sim.shards
+        for group in self.core.admit():
             # the shard with the most free room, as the flow picks (its engines are shared
             # here: each shard gets an equal part of the slots)
-            shard = orchestration.pick_shard(self._shard_load,
-                                             [self.pool_slots // self.sim.shards] * self.sim.shards)
+            shard = orchestration.pick_shard(self._shard_load, [slots] * self.sim.shards)
+            env_task = group.env_task
             for _ in range(env_task.group_size):
                 tid, self.next_id = self.next_id, self.next_id + 1
-                t = _Traj(tid, gid, env_task, seed,
+                t = _Traj(tid, group.group_id, env_task, group.seed,
                           self.turn_counts[env_task.name].sample(self.rng), shard=shard)
                 self._shard_load[shard] += 1
                 self.ledger.admit(tid)
@@ -556,7 +551,7 @@ class Simulation:
             if t.failed:  # its environment raised: a fresh one, or dropped (rollout_error)
                 t.failed = False
                 self._restart_or_drop(t)
-            elif t.turn >= t.turns or self.stopping:
+            elif t.turn >= t.turns or self.core.stopping:
                 self._finished(t)
             else:
                 self.ready.append(t)
@@ -589,8 +584,7 @@ class Simulation:
         self.reward_pending.append((t, traj))
 
     def _drop_member(self, group_id: str) -> None:
-        for orphan in self.collector.drop_member(group_id):
-            self.ledger.drop(int(orphan.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
+        self.core.member_lost(group_id)
 
     # -- reward ----------------------------------------------------------------------------------
     def _flush_rewards(self) -> None:
@@ -673,35 +667,16 @@ class Simulation:
         for traj in batch:
             traj.reward = self.rng.random()
             self.ledger.transition(int(traj.traj_id), lifecycle.TrajState.IN_GROUP)
-            for orphan in self.collector.add(traj):
-                self.ledger.drop(int(orphan.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
+            self.core.scored(traj)
         self._tick()
 
     # -- training --------------------------------------------------------------------------------
     def _maybe_train(self) -> None:
-        if self.trainer_busy or self.version >= self.max_steps:
+        batch = self.core.cut()
+        if batch is None:
             return
-        scoring = (self.ledger.count(lifecycle.TrajState.AWAITING_SCORE)
-                   + self.ledger.count(lifecycle.TrajState.SCORING))
-        n = orchestration.groups_to_cut(self.cfg.mode, self.collector.ready_groups,
-                                        self.cfg.trainer.groups_per_step,
-                                        self.ledger.rolling_out, scoring,
-                                        self.collector.open_groups)
-        if n is None:
-            return
-        d = self.collector.take_batch(n, self.version, self.cfg.rollout.max_staleness)
-        for t in d.stale:
-            self.ledger.drop(int(t.traj_id), lifecycle.DropReason.STALE)
-        for t in d.orphaned:
-            self.ledger.drop(int(t.traj_id), lifecycle.DropReason.GROUP_INCOMPLETE)
-        if not d.samples:
-            return
-        self.staleness.extend(d.staleness)
-        self._training = [int(t.traj_id) for t in d.trajectories]
-        for tid in self._training:
-            self.ledger.transition(tid, lifecycle.TrajState.TRAINING)
-        seconds = self.trainer_device.train_step_time(emulated.sequence_lengths(d.samples))
-        self.trainer_busy = True
+        self.staleness.extend(batch.staleness)
+        seconds = self.trainer_device.train_step_time(emulated.sequence_lengths(batch.samples))
         self.tasks["train_step"] += 1
         if self.colocated:  # every engine yields its GPUs for the train step
             for e in self.engines.values():
@@ -713,28 +688,28 @@ class Simulation:
 
     def _trained(self) -> None:
         self.driver_events += 1
-        self.version += 1
-        for tid in self._training:
-            self.ledger.transition(tid, lifecycle.TrajState.TRAINED)
-        self._training = []
+        instructions = self.core.trained(self.version + 1, self.clock.now)
         self.step_ends.append(self.clock.now)
         # rates are over the training, not the drain after its last step
         self._rates_at = self._rates()
-        self.trainer_busy = False
-        if self.version >= self.max_steps:
-            self.stopping = True
-        self.tasks["publish_weights"] += 1
-        self.schedulers[0].delay(1 + len(self.engines))  # the publish and one load per engine
-        for e in self.engines.values():
-            self.loads_pending += 1
-            self.tasks["load_weights"] += 1
-            e.pause(e.device.weight_broadcast_time(), lambda e=e, v=self.version: self._loaded(e, v))
+        # StopRollout: the core stops admitting, and a trajectory's turn in flight is its last;
+        # checkpoints are not simulated
+        for ins in instructions:
+            if isinstance(ins, Publish):
+                self.tasks["publish_weights"] += 1
+                # the publish and one load per engine
+                self.schedulers[0].delay(1 + len(self.engines))
+                for e in self.engines.values():
+                    self.core.loads_in_flight += 1
+                    self.tasks["load_weights"] += 1
+                    e.pause(e.device.weight_broadcast_time(),
+                            lambda e=e, v=ins.version: self._loaded(e, v))
         self._tick()
 
     def _loaded(self, engine: SimEngine, version: int) -> None:
         self.driver_events += 1
         engine.version = version
-        self.loads_pending -= 1
+        self.core.loads_in_flight -= 1
         self._tick()
 
     # -- report ----------------------------------------------------------------------------------

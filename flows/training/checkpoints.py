@@ -4,14 +4,24 @@
 trainer's worker: weights, optimiser, scheduler, version, random states) and the driver's
 ``driver.json`` (the env-task sampler's state, trajectory ids, training time so far). The
 driver's file is written last, so a directory without it is incomplete and never resumed from.
+:class:`Checkpointer` writes them during a run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distributed import Future
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 DRIVER_STATE = "driver.json"
@@ -71,3 +81,72 @@ def truncate_metrics(run_dir: str | Path, version: int) -> int:
     tmp.write_text("".join(x + "\n" for x in kept))
     os.replace(tmp, path)
     return dropped
+
+
+class Checkpointer:
+    """A run's periodic checkpoints: the trainer writes its state (a Dask task on its worker,
+    tracked by the run's event loop), then the driver its own, last. While one is written no
+    train step starts (``RunCore.checkpoints_in_flight``), so it is of one version."""
+
+    def __init__(self, run_dir: Path, keep: int, trainer, core,
+                 track: Callable[[Future], Future]):
+        """``track``: hands the trainer's future to the run's event loop (a CHECKPOINT)."""
+        self.run_dir, self.keep = run_dir, keep
+        self.trainer, self.core, self.track = trainer, core, track
+        # key -> (future, directory, driver state, started)
+        self._in_flight: dict[str, tuple[Future, Path, dict, float]] = {}
+        self.seconds: list[float] = []  # each one, submitted to written (the trainer's time)
+
+    def start(self, version: int, driver_state: dict) -> None:
+        directory = step_dir(self.run_dir, version)
+        fut = self.trainer.checkpoint(str(directory), version)
+        self._in_flight[fut.key] = (fut, directory, driver_state, time.perf_counter())
+        self.core.checkpoints_in_flight += 1
+        self.track(fut)
+
+    def on_checkpoint(self, ev, lost: bool) -> None:
+        entry = self._in_flight.pop(ev.future.key, None)
+        if entry is None:  # abandoned with the trainer's worker
+            return
+        self.core.checkpoints_in_flight -= 1
+        if lost:
+            return
+        _, directory, state, started = entry
+        self.seconds.append(time.perf_counter() - started)
+        if ev.future.status != "finished":
+            raise RuntimeError(f"checkpoint {directory} failed: {ev.future.exception()!r}")
+        self.finish(directory, state)
+
+    def finish(self, directory: Path, state: dict) -> None:
+        write_json_atomic(directory / DRIVER_STATE, state)
+        prune(self.run_dir, self.keep)
+        logger.info("checkpoint at policy version %d: %s", state["version"], directory)
+
+    def now(self, version: int, driver_state: dict, timeout: float) -> Path:
+        """A checkpoint of ``version``, written before returning (a graceful stop)."""
+        directory = step_dir(self.run_dir, version)
+        self.trainer.checkpoint(str(directory), version).result(timeout=timeout)
+        self.finish(directory, driver_state)
+        return directory
+
+    def abandon(self) -> list[Future]:
+        """The trainer's worker left: the checkpoints in flight are given up (returned, for
+        the caller to cancel)."""
+        futures = [fut for fut, *_ in self._in_flight.values()]
+        self._in_flight.clear()
+        self.core.checkpoints_in_flight = 0
+        return futures
+
+    def keys(self) -> set[str]:
+        return set(self._in_flight)
+
+    def land(self, timeout: float) -> None:
+        """An interrupted run lets the checkpoints in flight land."""
+        for fut, directory, state, _ in self._in_flight.values():
+            try:
+                fut.result(timeout=timeout)
+                self.finish(directory, state)
+            except Exception as exc:
+                logger.warning("checkpoint %s not finished: %s", directory, exc)
+        self._in_flight.clear()
+        self.core.checkpoints_in_flight = 0

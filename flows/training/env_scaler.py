@@ -28,6 +28,7 @@ from distributed import SpecCluster
 
 from flows.config import AdaptiveEnvConfig
 from flows.training.orchestration import env_pool_change
+from resources.pools import Tag
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +122,28 @@ def _index(name: str) -> int:
     """The number of a worker named ``<pool>-<n>``."""
     tail = name.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def env_scaler_for(cfg, cluster, driver) -> EnvPoolScaler | None:
+    """``cluster.adaptive_env`` of ``cfg`` on the embedded cluster (a
+    :class:`resources.cluster.ClusterHandle`): the scaler of the environment pool that
+    ``driver`` (a :class:`flows.training.rollout.RolloutDriver`) routes to."""
+    c = cfg.cluster.adaptive_env
+    if not c.enabled:
+        return None
+    if cluster.cluster is None:
+        logger.warning("cluster.adaptive_env needs the embedded cluster: ignored")
+        return None
+    env_tag = str(Tag.CPU_ENV)
+    pool = cluster.worker_pool[cluster.workers_with(Tag.CPU_ENV)[0]]
+    router = driver.router
+
+    def names(address: str) -> str:
+        return str(cluster.client.scheduler_info(n_workers=-1)["workers"][address]["name"])
+
+    def workers() -> dict[str, float]:
+        return {w: cluster.worker_tags[w][env_tag] for w in router.workers_by_tag.get(env_tag, [])
+                if cluster.worker_pool.get(w) == pool}
+
+    return EnvPoolScaler(c, cluster.cluster, pool, lambda: driver.env_seconds, workers,
+                         driver.holds, router.remove, names)

@@ -166,3 +166,45 @@ def cancel(futures: Iterable[Future]) -> None:
         by_client.setdefault(id(f.client), (f.client, []))[1].append(f)
     for client, fs in by_client.values():
         client.cancel(fs)
+
+
+class Abandoned:
+    """Futures given up on (cancelled: their worker left, a watchdog fired), by key, with when.
+    Each comes back through its event loop as cancelled, and its handler sees it here; one that
+    does not come back within ``grace_s`` is taken as lost without it (:meth:`overdue`), so that
+    nothing waits on a cancellation that never arrives."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self._at: dict[str, float] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._at
+
+    def cancel(self, futures: Iterable[Future]) -> None:
+        futures = list(futures)
+        if futures:
+            now = time.perf_counter()
+            self._at.update((f.key, now) for f in futures)
+            cancel(futures)
+
+    def lost(self, ev: Event) -> bool:
+        """Given up on, or its result lost with a worker (a task that raised is not lost: it
+        failed)."""
+        return ev.future.key in self._at or (ev.result is None and ev.future.status != "error")
+
+    def settled(self, key: str) -> None:
+        """Its event was handled."""
+        self._at.pop(key, None)
+
+    def overdue(self, loops: Iterable[EventLoop]) -> list[tuple[Event, float]]:
+        """The abandoned futures not come back within ``grace_s``: the loops stop waiting for
+        them; each as an event without a result, with how long ago it was cancelled."""
+        now = time.perf_counter()
+        late = {k for k, at in self._at.items() if now - at > self.grace_s}
+        if not late:
+            return []
+        out = [(ev, now - self._at[ev.future.key]) for loop in loops for ev in loop.forget(late)]
+        for key in late - {ev.future.key for ev, _ in out}:  # came back meanwhile, or untracked
+            self._at.pop(key, None)
+        return out  # each :meth:`settled` once handled

@@ -145,6 +145,20 @@ class RolloutDriver:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def waiting(self) -> int:
+        """Trajectories whose next turn is ready and not yet submitted (a pool without a
+        worker holds them back)."""
+        return len(self._ready)
+
+    def state(self) -> dict:
+        """The trajectory ids to continue from (a checkpoint's driver state)."""
+        return {"next_trajectory": self._next_id, "next_eval_trajectory": self._next_eval_id}
+
+    def restore(self, state: dict) -> None:
+        self._next_id = int(state["next_trajectory"])
+        self._next_eval_id = int(state["next_eval_trajectory"])
+
     def stop(self, reason: DropReason = DropReason.RUN_ENDED) -> None:
         """Training is over: every rolling-out training trajectory ends after its current turn
         (evaluation episodes run to their end); those waiting for their next turn (a restart

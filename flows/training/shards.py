@@ -153,7 +153,6 @@ class RolloutShards:
             self.shards.append(RolloutShard(k, cluster, driver, events, inference,
                                             MembershipWatch(cluster.client)))
         self.groups = [0] * (len(self.shards) + 1)  # groups started, per shard
-        self._empty_since: dict[tuple[int, Tag], float] = {}
 
     @property
     def drivers(self) -> list[RolloutDriver]:
@@ -248,16 +247,10 @@ class RolloutShards:
                 return s
         return None
 
-    def empty_pools(self, now: float) -> list[tuple[int, Tag, float]]:
-        """(shard, tag, since when) of each further shard's rollout pool without a worker."""
-        out = []
-        for s in self.shards:
-            for tag in ROLLOUT_TAGS:
-                if s.driver.router.has(str(tag)):
-                    self._empty_since.pop((s.index, tag), None)
-                else:
-                    out.append((s.index, tag, self._empty_since.setdefault((s.index, tag), now)))
-        return out
+    def missing_pools(self) -> dict[int, list[Tag]]:
+        """Each further shard's rollout tags that no serving worker carries now."""
+        return {s.index: [t for t in ROLLOUT_TAGS if not s.driver.router.has(str(t))]
+                for s in self.shards}
 
     def close(self) -> None:
         """The run ends: stop following the further shards' workers."""

@@ -45,6 +45,19 @@ class TrainerHandle:
                 return tag
         return None
 
+    def add_inference_worker(self, worker: str, tags: dict[str, float]) -> None:
+        """An inference worker joined: it gets every weight load from now on."""
+        tag = self.inference_tag(tags)
+        if tag is not None:
+            self.inference_workers[worker] = tag
+
+    def remove_inference_worker(self, worker: str) -> None:
+        self.inference_workers.pop(worker, None)
+
+    def lost(self) -> None:
+        """The trainer's worker left: nothing goes to the trainer until :meth:`restore`."""
+        self.worker = None
+
     def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
         with self.spans("trainer", stage.value):
             return self.client.submit(with_trainer, fn, *args, key=key + self.key_tag,

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from flows.api import Session
+from flows.config.derived import with_env_faults
 from resources.worker import plain, with_envs, with_registry, worker_report
 from tasks.env_steps import env_close, env_reset, env_step
 from tasks.generation import load_weights
@@ -99,7 +100,7 @@ def _kill_at(run, cluster: ExternalCluster, tags: list[str], step: int, delay: f
         elif train_step == steps and timers:
             timers[0].join(timeout=60)
 
-    run._run.batch_callbacks.append(on_cut)
+    run.on_batch(on_cut)
     return killed
 
 
@@ -164,7 +165,7 @@ def test_dask_recomputing_a_lost_result_does_not_replay_an_environment(session, 
     client = session.client
     workers = fresh.workers_by_tag()
     env_w, dec_w = workers["CPU_ENV"], workers["GPU_BANDWIDTH"]
-    spec = next(iter(run._run.driver.env_specs.values()))
+    spec = with_env_faults(run.cfg.faults, run.cfg.env_tasks[0].env)  # as the run builds it
     sample = TurnSample([0], [0.0], [0], "no answer", stopped=True, context_full=False,
                         decode_tokens_processed=1)
 

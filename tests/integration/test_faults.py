@@ -46,7 +46,7 @@ def _kill_at_cut(run, tag: Tag, step: int) -> dict:
             os.kill(pid, signal.SIGKILL)
             killed.update(worker=worker, pid=pid)
 
-    run._run.batch_callbacks.append(kill)
+    run.on_batch(kill)
     return killed
 
 
@@ -119,7 +119,7 @@ def test_a_worker_added_mid_run_loads_the_weights_then_gets_work(session, tmp_pa
     assert summary["workers"][joined[0]]["pool"] == "bandwidth"
     placed = session.client.run_on_scheduler(placement_snapshot)
     assert placed["decode"].get(joined[0], 0) > 0  # it got work
-    assert run._run.worker_versions[joined[0]] == STEPS
+    assert run.worker_versions[joined[0]] == STEPS
 
 
 def _watch_scores(counts):
@@ -214,13 +214,13 @@ def test_the_environment_pool_grows_with_demand_and_shrinks_without_losing_an_in
             "cluster.adaptive_env.cooldown_s=2"], run_dir=tmp_path / "elastic")
         envs = {t.name: t.env for t in run.cfg.env_tasks}
         run.train(2)
-        assert not run._run.scaler.history  # demand is low: one worker is enough
+        assert not run.env_pool_changes  # demand is low: one worker is enough
         for name, env in envs.items():
             run.update_env(name, {"_component_": "tasks.envs.latency.RemoteLatency",
                                   "env": env, "step_latency": 0.4})
         run.train(5)
-        grown = [h for h in run._run.scaler.history if h["action"] == "grow"]
-        assert grown and grown[0]["busy"] > 0.7, (run._run.scaler.last_busy, grown)
+        grown = [h for h in run.env_pool_changes if h["action"] == "grow"]
+        assert grown and grown[0]["busy"] > 0.7, run.env_pool_changes
         for name, env in envs.items():
             run.update_env(name, env)
         run.train()

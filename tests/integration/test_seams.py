@@ -15,7 +15,7 @@ from flows.training.lifecycle import RunFailing, TrajState
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step
-from tests import QUIET
+from tests import QUIET, ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -238,3 +238,25 @@ def test_batch_level_environment_handling_holds_each_turn_for_the_whole_batch(tm
         assert min(starts[turn]) >= max(ends[turn - 1])
     starts, ends = turn_starts_and_ends(False)
     assert any(min(starts[t]) < max(ends[t - 1]) for t in sorted(starts)[1:])
+
+
+def test_the_flow_and_the_simulator_take_their_decisions_from_one_run_core(tmp_path,
+                                                                           monkeypatch):
+    """Replacing one decision of the run core (how many groups a batch takes) changes the Dask
+    flow and the simulator alike: neither keeps a copy of it."""
+    from flows import simulate
+    from flows.simulation.simulator import simulate as run_sim
+    from flows.training import core
+
+    def one_group(mode, ready_groups, groups_per_step, *rest):
+        return 1 if ready_groups else None
+
+    monkeypatch.setattr(core, "groups_to_cut", one_group)
+    run_training(load_config(overrides=[*QUIET, "trainer.max_steps=2", "reward.backend=local",
+                                        "trainer.groups_per_step=2", "cluster.processes=false"]),
+                 tmp_path / "run", dashboard=lambda line: None)
+    assert [r["rollout/batch_trajectories"] for r in read_metrics(tmp_path / "run")] == [8, 8]
+    cfg, sim = simulate.load(ROOT / "config" / "bench" / "long_tail.yaml",
+                             ["trainer.max_steps=3"])  # 4 groups of 8 a step, unpatched
+    result = run_sim(cfg, sim)
+    assert result.steps == 3 and result.trajectories["trained"] == 3 * 8

@@ -126,14 +126,14 @@ def test_a_further_shard_loses_a_worker_and_takes_on_a_new_one(tmp_path):
     joined = []
     try:
         run = session.run(overrides=["trainer.max_steps=4"], run_dir=tmp_path / "run")
-        shard = run._run.shards.shards[0]
-        cluster = shard.cluster.cluster
-        victim = shard.cluster.workers_with(Tag.CPU_ENV)[0]
+        shard = session.shards[0]
+        cluster = shard.cluster
+        victim = shard.workers_with(Tag.CPU_ENV)[0]
         worker = next(w for w in cluster.workers.values() if w.address == victim)
         closed = []
 
         async def new_worker(tag: Tag, name: str):
-            return await Worker(shard.cluster.client.scheduler.address, nthreads=4,
+            return await Worker(shard.client.scheduler.address, nthreads=4,
                                 resources={str(tag): 64}, name=name, host="127.0.0.1")
 
         def swap_at_cut(train_step: int, _trajectories) -> None:
@@ -143,10 +143,10 @@ def test_a_further_shard_loses_a_worker_and_takes_on_a_new_one(tmp_path):
                 joined.append(cluster.sync(new_worker, Tag.CPU_ENV, "env-9"))
                 joined.append(cluster.sync(new_worker, Tag.GPU_COMPUTE, "compute-9"))
 
-        run._run.batch_callbacks.append(swap_at_cut)
+        run.on_batch(swap_at_cut)
         run.train()
         summary = run.close()
-        ran = shard.cluster.client.run_on_scheduler(placement_snapshot)
+        ran = shard.client.run_on_scheduler(placement_snapshot)
     finally:
         for w in joined:
             cluster.sync(w.close)

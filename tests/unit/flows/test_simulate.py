@@ -13,7 +13,7 @@ from flows import simulate
 from flows.config.derived import lambda_function_of
 from flows.simulation.simulator import SimSettings, TurnCount
 from flows.simulation.simulator import simulate as run_sim
-from flows.training import orchestration
+from flows.training import core
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
 from resources.sim_engine import Clock, SimEngine
@@ -41,13 +41,13 @@ def test_it_calls_the_flows_admission_room(monkeypatch):
     cfg, sim = _cfg()
     base = run_sim(cfg, sim)
     calls = []
-    real = orchestration.admission_room
+    real = core.admission_room
 
     def one_group_at_a_time(state):
         calls.append(state)
         return min(real(state), 8 - state.rolling_out) if state.rolling_out < 8 else 0
 
-    monkeypatch.setattr(orchestration, "admission_room", one_group_at_a_time)
+    monkeypatch.setattr(core, "admission_room", one_group_at_a_time)
     narrow = run_sim(cfg, sim)
     assert calls and all(c.max_in_flight == cfg.rollout.max_in_flight for c in calls)
     assert narrow.steps == base.steps == 3

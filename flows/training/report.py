@@ -1,0 +1,104 @@
+"""What a run reports: the dashboard page's live figures, and the summary at its end
+(``summary.json``)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from flows.training.lifecycle import TrajState
+from resources.placement import placement_snapshot, task_stream_snapshot
+from resources.worker import worker_report
+
+if TYPE_CHECKING:
+    from flows.training.run import TrainingRun
+
+IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
+                    TrajState.SCORING, TrajState.IN_GROUP, TrajState.TRAINING)
+
+
+def live_figures(run: TrainingRun) -> dict:
+    """What the dashboard page shows besides the metric rows."""
+    pools: Counter[str] = Counter()
+    for w, n in run.driver.router.load.items():
+        pools[run.cluster.worker_pool.get(w, w)] += max(n, 0)
+    ledger = run.core.ledger
+    accounts = ledger.summary()
+    states = {str(s): ledger.count(s) for s in IN_FLIGHT_STATES}
+    states["trained"] = accounts["trained"]
+    return {"states": states, "dropped": accounts["dropped"],
+            "in_flight_per_pool": dict(sorted(pools.items())),
+            "staleness_hist": {str(k): v for k, v in sorted(run.core.staleness_hist.items())},
+            "worker_versions": {f"{run.cluster.worker_pool.get(w, '?')} {w}": v
+                                for w, v in sorted(run.weights.worker_versions.items())},
+            "policy_version": run.version}
+
+
+def summary(run: TrainingRun) -> dict:
+    """The run's account at its end: trajectories, placement, rewards, faults, workers."""
+    cfg, client, pool_of = run.cfg, run.client, run.cluster.worker_pool
+    placement = client.run_on_scheduler(placement_snapshot)
+    by_pool: dict[str, Counter] = defaultdict(Counter)
+    for stage, per_worker in placement.items():
+        for w, n in per_worker.items():
+            by_pool[stage][pool_of.get(w, w)] += n
+    # a worker lost at the very end is skipped, not waited on
+    reports = {w: r for w, r in client.run(worker_report, on_error="return").items()
+               if isinstance(r, dict)}
+    live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
+    if run.shards is not None:
+        live_envs += run.shards.live_envs()
+    accounts = run.core.ledger.summary()
+    drivers = run.drivers
+    n_turns = sum(d.turn_totals[0] for d in drivers)
+    submitted: Counter[str] = Counter()
+    truncated: Counter[str] = Counter()
+    restarts: Counter[str] = Counter()
+    for d in drivers:
+        submitted.update(d.stage_submitted)
+        truncated.update(d.truncated)
+        restarts.update(d.restarts)
+    t0 = run.t0 or 0.0
+    if cfg.metrics.task_stream:
+        (run.run_dir / "task_stream.json").write_text(json.dumps(
+            {"tasks": client.run_on_scheduler(task_stream_snapshot),
+             "turns": [t for d in drivers for t in d.turn_log],
+             "workers": {a: pool_of.get(a, a) for a in reports}}))
+    written = run.checkpoints.seconds
+    return {
+        "final_metrics": run.last_metrics,
+        "policy_version": run.version,
+        "trajectories": {k: accounts[k] for k in ("started", "finished", "trained", "dropped")}
+        | {"truncated": dict(truncated)},
+        "drop_details": run.core.ledger.drop_details[:20],
+        "evaluation": {"episodes_started": accounts["evaluation"]["started"],
+                       "dropped": accounts["evaluation"]["dropped"],
+                       "last": run.evaluator.last},
+        "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
+        "rollout_tasks_submitted": dict(submitted),
+        "shards": [{"shard": 0, "rollout_tasks_submitted": dict(submitted)}]
+        if run.shards is None else run.shards.summary(),
+        "reward": run.rewards.stats.summary() | {
+            "backend": cfg.reward.backend,
+            "endpoint": run.reward_cfg["endpoint_url"] or "aws",
+            "score_tasks": run.rewards.score_tasks,
+            "lost": run.rewards.lost()},
+        "live_env_instances_at_end": live_envs,
+        "faults": {"worker_changes": run.changes.log,
+                   "recovery_s": [round(s, 3) for s in run.core.recoveries_s],
+                   "restarted": dict(restarts),
+                   "score_tasks_resent": sum(run.rewards.resent.values()),
+                   "checkpoints": {"every": cfg.trainer.checkpoint_every,
+                                   "written": len(written),
+                                   "mean_s": round(sum(written) / max(len(written), 1), 3)}},
+        "env_pool": [] if run.scaler is None else [
+            dict(h, at=round(h["at"] - t0, 2)) for h in run.scaler.history],
+        "turns": {"count": n_turns,
+                  "wall_s_mean": sum(d.turn_totals[1] for d in drivers) / max(n_turns, 1),
+                  "emulated_wait_s_mean": sum(d.turn_totals[2] for d in drivers)
+                  / max(n_turns, 1)},
+        "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
+        "train_windows_s": [(a - t0, b - t0) for a, b in run.train_windows],
+        "elapsed_s": run.elapsed_s,
+    }
