@@ -177,11 +177,13 @@ def worker_specs(pools: list[PoolSpec], tags: dict[str, list[Tag]], processes: b
 def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashboard_port: int = 8787,
                         processes: bool = True, timeout: float = 120, host: str = LOOPBACK,
                         security: Security | None = None,
-                        lost_worker_timeout_s: float = 300) -> ClusterHandle:
+                        lost_worker_timeout_s: float = 300,
+                        worker_ttl_s: float = 60) -> ClusterHandle:
     """The embedded cluster, its scheduler and dashboard on ``host`` (loopback by default; any
     other address is logged as reachable from other machines). With ``security`` every
     connection (client, scheduler, workers) is TLS. A killed worker is restarted by its Nanny
-    for up to ``lost_worker_timeout_s`` (:func:`keep_restarting_lost_workers`)."""
+    for up to ``lost_worker_timeout_s`` (:func:`keep_restarting_lost_workers`); one that sends
+    no heartbeat for ``worker_ttl_s`` (stuck, not dead) is restarted by the scheduler."""
     warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
                     "send)", host)
     bounded_logs()
@@ -189,7 +191,8 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
     port = _free_port(dashboard_port) if dashboard_port else 0
     tls = {"security": security, "protocol": "tls"} if security is not None else {}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": unparse_host_port(host, port),
-                                                "host": host, **tls}}
+                                                "host": host, "worker_ttl": f"{worker_ttl_s}s",
+                                                **tls}}
     specs = worker_specs(pools, tags, processes)
     for spec in specs.values():
         # the host too: an in-process Worker given none listens on every interface

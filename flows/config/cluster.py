@@ -90,6 +90,12 @@ class ClusterConfig(Section):
     pool_empty_timeout_s: float = Field(
         default=300, gt=0, description="A pool (resource tag) left without any worker this long "
         "stops the run with a checkpoint (when the trainer is alive) instead of waiting on")
+    worker_ttl_s: float = Field(
+        default=60, gt=0, description="The embedded scheduler restarts (through its Nanny) a "
+        "worker that has sent no heartbeat this long: a stuck process, or a machine gone without "
+        "closing its connections, whose tasks would otherwise be waited on (Dask's "
+        "distributed.scheduler.worker-ttl, 5 minutes by default; an external scheduler's is its "
+        "own)")
     tls: Annotated[TLSConfig, BeforeValidator(lambda v: {} if v is None else v)] = Field(
         default_factory=TLSConfig, description="TLS of the Dask connections, the embedded "
         "cluster's and --scheduler's (null: plain TCP)")

@@ -60,7 +60,8 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     return start_local_cluster(pools, router(pools), cfg.cluster.dashboard_port,
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s,
                                host=cfg.cluster.host, security=security,
-                               lost_worker_timeout_s=cfg.cluster.pool_empty_timeout_s)
+                               lost_worker_timeout_s=cfg.cluster.pool_empty_timeout_s,
+                               worker_ttl_s=cfg.cluster.worker_ttl_s)
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:

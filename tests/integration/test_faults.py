@@ -5,6 +5,7 @@ weights before it gets work. One shared cluster of worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,7 +29,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def session():
-    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0"])
+    # a stuck worker (no heartbeat) is restarted within 2 x 20 s
+    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0", "cluster.worker_ttl_s=20"])
     yield s
     s.close()
 
@@ -90,6 +92,36 @@ def test_a_killed_worker_of_any_pool_does_not_stop_the_run(session, tag, tmp_pat
     if tag in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH):
         serving = [c for c in faults["worker_changes"] if c["change"] == "serving"]
         assert serving and serving[0]["worker"] == joined[0]  # loaded before it got work
+
+
+def test_a_stuck_reward_worker_is_restarted_and_its_scores_sent_again(session, tmp_path):
+    """A worker that stops answering without dying (SIGSTOP: its connections stay open, its
+    heartbeats stop, its score tasks never end) once left a run waiting with no log line: the
+    scheduler's ``worker-ttl`` restarts it through its Nanny, and its score tasks are sent
+    again."""
+    worker = session.cluster.workers_with(Tag.SERVERLESS)[0]
+    pid = session.client.run(os.getpid, workers=[worker])[worker]
+    run = session.run(overrides=[*SMALL, f"trainer.max_steps={STEPS}"],
+                      run_dir=tmp_path / "stuck")
+    stopped = []
+
+    def stop(train_step: int, _trajectories) -> None:
+        if train_step == 2 and not stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+
+    run.on_batch(stop)
+    try:
+        run.train()
+        summary = run.close()
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):  # restarted: killed by its Nanny
+                os.kill(pid, signal.SIGCONT)
+    assert stopped
+    _accounts_close(summary)
+    left = [c["worker"] for c in summary["faults"]["worker_changes"] if c["change"] == "left"]
+    assert worker in left
 
 
 def test_a_worker_added_mid_run_loads_the_weights_then_gets_work(session, tmp_path):
