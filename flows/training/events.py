@@ -5,10 +5,15 @@ A batch of finished futures is gathered in one call (a round trip per worker, no
 a failed or lost future comes back with no result and its own status, for its handler to judge.
 With rollout shards (``cluster.shards``) each shard's client has an event loop of its own; they
 share one wake-up condition, so that :func:`next_batch_of` waits on all of them at once.
+
+Only Dask's public API: a tracked future reports its end through ``Future.add_done_callback``
+(run on Dask's callback thread), and a batch's results come from ``Client.gather`` in
+asynchronous mode, awaited on the client's event loop under a time limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from distributed import Client, Future, as_completed
+from distributed import Client, Future
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +58,20 @@ class EventLoop:
     def __init__(self, client: Client, shard: int = 0,
                  condition: threading.Condition | None = None):
         self.client, self.shard = client, shard
-        self._ac = as_completed(loop=client.loop, raise_errors=False)
-        if condition is not None:  # shared with other shards' loops: one wait for all
-            self._ac.thread_condition = condition
+        # notified whenever a tracked future finishes; given: shared with other shards' loops
+        self.condition = condition or threading.Condition()
         self._tracked: dict[str, tuple[FutureKind, Future]] = {}  # by key, until handed out
-
-    @property
-    def condition(self) -> threading.Condition:
-        """Notified whenever a tracked future finishes."""
-        return self._ac.thread_condition
+        self._done: list[Future] = []  # finished since the last look (under the condition)
 
     def track(self, fut: Future, kind: FutureKind) -> Future:
         self._tracked[fut.key] = (kind, fut)
-        self._ac.add(fut)
+        fut.add_done_callback(self._on_done)
         return fut
+
+    def _on_done(self, fut: Future) -> None:
+        with self.condition:
+            self._done.append(fut)
+            self.condition.notify_all()
 
     def pending(self) -> list[Future]:
         """The futures tracked and not yet handed out by :meth:`next_batch`."""
@@ -98,8 +103,8 @@ class EventLoop:
                     break
                 time.sleep(poll_s)
                 continue
-            with self._ac.thread_condition:
-                self._ac.thread_condition.wait(timeout=poll_s)
+            with self.condition:
+                self.condition.wait(timeout=poll_s)
         return self._events(batch)
 
     def forget(self, keys: Iterable[str]) -> list[Event]:
@@ -110,7 +115,10 @@ class EventLoop:
                 for kind, fut in (self._tracked.pop(k) for k in keys if k in self._tracked)]
 
     def _finished(self) -> list[Future]:
-        return [f for f in self._ac.next_batch(block=False) if f.key in self._tracked]
+        """The tracked futures finished since the last call (a forgotten one is skipped)."""
+        with self.condition:
+            done, self._done = self._done, []
+        return [f for f in done if self._tracked.get(f.key, (None, None))[1] is f]
 
     def _events(self, batch: list[Future]) -> list[Event]:
         results = self._gather(batch)
@@ -125,8 +133,10 @@ class EventLoop:
             # from the workers: the results need not pass through the scheduler, and a gather
             # through it logs an event on the "all" topic, whose last 50 events (the run's
             # bounded Dask logs) would then hold only gathers, not the run's milestones
-            results = self.client.sync(self.client._gather, done, direct=True,
-                                       callback_timeout=GATHER_TIMEOUT_S)
+            gather = asyncio.wait_for(self.client.gather(done, direct=True, asynchronous=True),
+                                      GATHER_TIMEOUT_S)
+            results = asyncio.run_coroutine_threadsafe(
+                gather, self.client.loop.asyncio_loop).result()
             return dict(zip((f.key for f in done), results, strict=True))
         except Exception:  # a result was lost in between (worker died): fetch one by one
             out = {}

@@ -4,6 +4,7 @@ not waited on."""
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from pathlib import Path
@@ -98,4 +99,24 @@ def test_a_future_forgotten_is_handed_out_as_lost_and_no_longer_waited_on(client
                                                               False)
     assert loop.empty() and loop.forget([stuck.key]) == []
     client.cancel([stuck])  # its cancellation arriving late is ignored
+    assert loop.next_batch(wake=lambda: True) == []
+
+
+def test_finished_failed_and_cancelled_futures_each_come_back_once(client):
+    """Each tracked future is handed out once, whatever its end: a result, an error (no
+    result, status error), a cancellation (no result, status cancelled)."""
+    loop = EventLoop(client)
+    ok = loop.track(client.submit(sum, [1, 2], pure=False), FutureKind.TURN)
+    bad = loop.track(client.submit(operator.truediv, 1, 0, pure=False), FutureKind.SCORE)
+    slow = loop.track(client.submit(time.sleep, 3, pure=False), FutureKind.TRAIN)
+    client.cancel([slow])
+    seen: list = []
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        seen += loop.next_batch(wake=lambda: time.monotonic() > deadline)
+    by_key = {ev.future.key: ev for ev in seen}
+    assert len(seen) == len(by_key) == 3 and loop.empty()
+    assert (by_key[ok.key].result, by_key[ok.key].ok) == (3, True)
+    assert (by_key[bad.key].result, by_key[bad.key].future.status) == (None, "error")
+    assert (by_key[slow.key].result, by_key[slow.key].future.status) == (None, "cancelled")
     assert loop.next_batch(wake=lambda: True) == []
