@@ -76,6 +76,16 @@ def demand(stage: Stage, tag: Tag | None = None) -> dict[str, float]:
     return {str(tag or STAGE_TAG[stage]): 1}
 
 
+def submit_on(client, worker: str, stage: Stage, fn, *args, key: str, tag: Tag | None = None,
+              **kwargs):
+    """One task of ``stage`` on ``worker`` and no other, taking one slot of its pool's resource
+    (of ``tag`` when given), under its own ``key`` (never shared: ``pure=False``). Dask never
+    moves it: a task pinned to a worker that left waits (its no-worker state) until the caller,
+    told of the loss, cancels it."""
+    return client.submit(fn, *args, key=key, workers=[worker], allow_other_workers=False,
+                         resources=demand(stage, tag), pure=False, **kwargs)
+
+
 class PoolSpec(BaseModel):
     """A group of workers with one hardware profile."""
 

@@ -21,7 +21,7 @@ from flows.monitoring.monitor import StageSpans
 from flows.training.episode import score_requests
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.training.orchestration import Router
-from resources.pools import Stage, Tag, demand
+from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_reward_client
 from tasks.records import InvocationRecord, ScoreBatch, Trajectory
 from tasks.stages import Stages
@@ -120,11 +120,10 @@ class RewardDispatcher:
                     continue
                 worker = self.router.choose(Tag.SERVERLESS)
                 with self.spans("reward", function):
-                    fut = self.client.submit(
-                        with_reward_client, self.stages.score, function,
-                        score_requests(batch, self.reward_fns, self.run_id),
-                        key=f"{Stage.SCORE}-{self.score_tasks}{self.key_tag}", workers=[worker],
-                        pure=False, resources=demand(Stage.SCORE))
+                    fut = submit_on(
+                        self.client, worker, Stage.SCORE, with_reward_client, self.stages.score,
+                        function, score_requests(batch, self.reward_fns, self.run_id),
+                        key=f"{Stage.SCORE}-{self.score_tasks}{self.key_tag}")
                 self.score_tasks += 1
                 self._scoring[fut.key] = (batch, worker, fut)
                 for t in batch:

@@ -36,7 +36,7 @@ from flows.training.orchestration import Router, decode_seed
 from flows.training.turn_placement import ResponseLengths, TurnPlan, plan_turn
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
-from resources.pools import Stage, Tag, demand
+from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_backend, with_envs, with_registry
 from tasks.cohort import (
     MemberError,
@@ -177,9 +177,8 @@ class RolloutDriver:
                 tag: Tag | None = None, **kwargs) -> Future:
         self.stage_submitted[stage.value] = self.stage_submitted.get(stage.value, 0) + 1
         with self.spans(env_task, stage.value):
-            return self.client.submit(
-                adapter, fn, *args, key=key, workers=[worker], allow_other_workers=False,
-                resources=demand(stage, tag), pure=False, **kwargs)
+            return submit_on(self.client, worker, stage, adapter, fn, *args, key=key, tag=tag,
+                             **kwargs)
 
     def replace_env(self, env_task: str, env_spec: dict) -> None:
         """The environment (a component spec, faults included) of ``env_task``'s trajectories

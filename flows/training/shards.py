@@ -51,7 +51,7 @@ from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
 from resources.membership import Change, MembershipWatch, WorkerChange
 from resources.placement import PlacementRecorder, placement_snapshot
-from resources.pools import Stage, Tag, demand
+from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_backend, worker_report
 from tasks.records import WeightsSnapshot
 from tasks.stages import Stages
@@ -294,11 +294,10 @@ class RolloutShards:
         if s.weights is None:
             return None
         with s.driver.spans("trainer", Stage.LOAD_WEIGHTS.value):
-            return s.cluster.client.submit(
-                with_backend, self.stages.load_weights, s.weights,
-                key=f"{Stage.LOAD_WEIGHTS}-{s.weights_version}-{worker}{s.driver.key_tag}",
-                workers=[worker], allow_other_workers=False, pure=False,
-                resources=demand(Stage.LOAD_WEIGHTS, s.inference_workers[worker]))
+            return submit_on(
+                s.cluster.client, worker, Stage.LOAD_WEIGHTS, with_backend,
+                self.stages.load_weights, s.weights, tag=s.inference_workers[worker],
+                key=f"{Stage.LOAD_WEIGHTS}-{s.weights_version}-{worker}{s.driver.key_tag}")
 
     # -- report -----------------------------------------------------------------------------
     def live_envs(self) -> int:

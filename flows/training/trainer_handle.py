@@ -12,7 +12,7 @@ from distributed import Client, Future
 
 from flows.monitoring.monitor import StageSpans
 from resources.cluster import ClusterHandle
-from resources.pools import Stage, Tag, demand
+from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_backend, with_trainer
 from tasks.records import TrainBatch
 from tasks.stages import Stages
@@ -60,9 +60,8 @@ class TrainerHandle:
 
     def _on_trainer(self, stage: Stage, fn, *args, key: str) -> Future:
         with self.spans("trainer", stage.value):
-            return self.client.submit(with_trainer, fn, *args, key=key + self.key_tag,
-                                      workers=[self.worker],
-                                      pure=False, resources=demand(stage))
+            return submit_on(self.client, self.worker, stage, with_trainer, fn, *args,
+                             key=key + self.key_tag)
 
     def train(self, batch: TrainBatch) -> Future:
         """One train step on a batch cut at ``batch.policy_version``."""
@@ -81,22 +80,18 @@ class TrainerHandle:
         """The newest published weights (of ``version``) loaded on one inference worker: a
         worker that joins loads them before it is given work."""
         with self.spans("trainer", Stage.LOAD_WEIGHTS.value):
-            return self.client.submit(
-                with_backend, self.stages.load_weights, self.snapshot,
-                key=f"{Stage.LOAD_WEIGHTS}-{version}-{self._restores}-{worker}{self.key_tag}",
-                workers=[worker], pure=False,
-                allow_other_workers=False,
-                resources=demand(Stage.LOAD_WEIGHTS, self.inference_workers[worker]))
+            return submit_on(
+                self.client, worker, Stage.LOAD_WEIGHTS, with_backend, self.stages.load_weights,
+                self.snapshot, tag=self.inference_workers[worker],
+                key=f"{Stage.LOAD_WEIGHTS}-{version}-{self._restores}-{worker}{self.key_tag}")
 
     def time_share(self, version: int, seconds: float) -> list[Future]:
         """Colocated training on emulated devices: every inference engine yields its GPUs to
         the train step of ``version`` for its ``seconds`` (unscaled)."""
         from resources.emulated import yield_to_training
 
-        return [self.client.submit(with_backend, yield_to_training, seconds,
-                                   key=f"time_share-{version}-{i}{self.key_tag}", workers=[w], pure=False,
-                                   allow_other_workers=False,
-                                   resources=demand(Stage.LOAD_WEIGHTS, tag))
+        return [submit_on(self.client, w, Stage.LOAD_WEIGHTS, with_backend, yield_to_training,
+                          seconds, tag=tag, key=f"time_share-{version}-{i}{self.key_tag}")
                 for i, (w, tag) in enumerate(self.inference_workers.items())]
 
     def checkpoint(self, directory: str, version: int) -> Future:

@@ -75,7 +75,7 @@ def test_h800_wins_prefill_and_h20_decode_per_dollar_on_emulated_engines():
 def test_kv_memory_caps_the_running_batch():
     # dense-32b on one H20 leaves ~80k tokens of KV beside its 64 GB of weights: 4 sequences
     # of 19k tokens fit at once, the others queue
-    engine = _engine(H20, model="dense-32b", time_scale=0.01)
+    engine = _engine(H20, model="dense-32b", time_scale=0.5)
     try:
         assert 4 * 19_010 <= engine.capacity < 5 * 19_010
         _concurrently(engine.decode, [(19_000, 10)] * 8)
