@@ -432,8 +432,7 @@ class Run:
         self.sink.close()
         if hasattr(self, "_run"):
             self._run.membership.close()  # the next run subscribes afresh
-            if self._run.shards is not None:
-                self._run.shards.close()
+            self._run.shards.close()
         if self._own_service is not None:
             self._own_service.stop()
             self._own_service = None

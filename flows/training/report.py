@@ -47,8 +47,7 @@ def summary(run: TrainingRun) -> dict:
     reports = {w: r for w, r in client.run(worker_report, on_error="return").items()
                if isinstance(r, dict)}
     live_envs = sum(r.get("envs", {}).get("live", 0) for r in reports.values())
-    if run.shards is not None:
-        live_envs += run.shards.live_envs()
+    live_envs += run.shards.live_envs()
     accounts = run.core.ledger.summary()
     drivers = run.drivers
     n_turns = sum(d.turn_totals[0] for d in drivers)
@@ -77,8 +76,7 @@ def summary(run: TrainingRun) -> dict:
                        "last": run.evaluator.last},
         "tasks_per_stage_per_pool": {k: dict(v) for k, v in sorted(by_pool.items())},
         "rollout_tasks_submitted": dict(submitted),
-        "shards": [{"shard": 0, "rollout_tasks_submitted": dict(submitted)}]
-        if run.shards is None else run.shards.summary(),
+        "shards": run.shards.summary(),
         "reward": run.rewards.stats.summary() | {
             "backend": cfg.reward.backend,
             "endpoint": run.reward_cfg["endpoint_url"] or "aws",

@@ -113,16 +113,16 @@ class TrainingRun:
         self.driver = RolloutDriver(self.client, cfg, router, ledger, self.stages, self.run_id,
                                     devices=worker_devices(cfg, cluster), spans=self.spans,
                                     key_tag=key_tag)
-        self.shards: RolloutShards | None = None
+        # shard 0 (this driver, this loop) and the further shards of cluster.shards, if any
+        self.shards = RolloutShards(list(shards), cfg, ledger, self.stages, self.run_id,
+                                    key_tag, self.driver, self.events, cluster,
+                                    lambda c: worker_devices(cfg, c), self.spans)
         if shards:
-            self.shards = RolloutShards(list(shards), cfg, ledger, self.stages, self.run_id,
-                                        key_tag, self.driver, self.events, cluster,
-                                        lambda c: worker_devices(cfg, c), self.spans)
             logger.info("rollout over %d shards (schedulers): %s", cfg.cluster.shards,
                         [c.client.scheduler.address for c in (cluster, *shards)])
             if cfg.cluster.adaptive_env.enabled:
                 logger.warning("cluster.adaptive_env scales shard 0's environment pool only")
-        self.drivers = [self.driver] if self.shards is None else self.shards.drivers
+        self.drivers = self.shards.drivers
         self.core.pool_slots = self.rollout_slots()
         self.rewards = RewardDispatcher(self.client, cfg, router, ledger, self.stages,
                                         self.run_id, self.core.batch_trajectories,
@@ -166,10 +166,7 @@ class TrainingRun:
         """Slots of the smallest rollout pool (a rolling-out trajectory holds at most one task of
         each at a time; at least 1, so that admission goes on while a pool is refilled); with
         rollout shards, the sum of each shard's."""
-        if self.shards is not None:
-            return self.shards.slots()
-        return max(1, min(self.cluster.slots(t) for t in (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH,
-                                                           Tag.CPU_ENV)))
+        return self.shards.slots()
 
     # -- recipe -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -199,8 +196,8 @@ class TrainingRun:
         versions = self.weights.worker_versions
         for w, f in self.trainer.sync_weights(self.version).items():
             versions[w] = f.result(timeout=timeout)
-        if self.shards is not None:  # the plugin, then the weights, on the further shards
-            versions |= self.shards.setup(plugin, self.trainer.snapshot, timeout)
+        # the plugin, then the weights, on the further shards
+        versions |= self.shards.setup(plugin, self.trainer.snapshot, timeout)
 
     @property
     def elapsed_s(self) -> float:
@@ -239,8 +236,7 @@ class TrainingRun:
                 self._start_group(group)
             for fut in self.driver.flush():  # every turn made ready since: new, next, retried
                 self.events.track(fut, FutureKind.TURN)
-            if self.shards is not None:
-                self.shards.flush()
+            self.shards.flush()
             if self._events_empty() and not self.changes.waiting():
                 if not self.core.finished_training:
                     raise RuntimeError(
@@ -289,14 +285,12 @@ class TrainingRun:
         self.abandoned.settled(ev.future.key)
 
     def event_loops(self) -> list[EventLoop]:
-        return [self.events] if self.shards is None else self.shards.loops
+        return self.shards.loops
 
     def _events_empty(self) -> bool:
         return all(loop.empty() for loop in self.event_loops())
 
     def _next_batch(self) -> list[Event]:
-        if self.shards is None:
-            return self.events.next_batch(wake=self.changes.wake)
         return self.shards.next_batch(wake=self.changes.wake)
 
     def trainer_futures_lost(self) -> list[Future]:
@@ -348,11 +342,7 @@ class TrainingRun:
 
     # -- instructions -----------------------------------------------------------------------
     def _start_group(self, group: core.StartGroup) -> None:
-        if self.shards is not None:  # the shard with the most free room
-            self.shards.start_group(group.group_id, group.env_task, group.seed)
-            return
-        for _ in range(group.env_task.group_size):
-            self.driver.start(group.group_id, group.env_task, group.seed)
+        self.shards.start_group(group.group_id, group.env_task, group.seed)
 
     def _train(self, batch: core.Train) -> None:
         self._train_future = self.events.track(
@@ -379,7 +369,7 @@ class TrainingRun:
 
     # -- completions ------------------------------------------------------------------------
     def _on_turn(self, ev: Event) -> None:
-        driver = self.driver if ev.shard == 0 else self.shards.driver(ev.shard)
+        driver = self.shards.driver(ev.shard)
         self.on_turn_outcome(driver.on_turn(ev.future, ev.result if ev.ok else None))
 
     def on_turn_outcome(self, out: TurnOutcome) -> None:

@@ -124,7 +124,8 @@ class RolloutShard:
 
 
 class RolloutShards:
-    """Shard 0's rollout parts (the run's own driver and event loop) and the further shards'.
+    """Shard 0's rollout parts (the run's own driver and event loop) and the further shards'
+    (none without ``cluster.shards``: then every call is shard 0's alone).
 
     The run asks it where a group goes (:meth:`start_group`), flushes and waits on every shard
     at once (:meth:`flush`, :meth:`next_batch`) and hands it published weights
@@ -138,7 +139,7 @@ class RolloutShards:
         self.primary, self.primary_events, self.primary_cluster = primary, primary_events, \
             primary_cluster
         self.stages, self.key_tag = stages, key_tag
-        self.shards: list[RolloutShard] = []
+        self.further: list[RolloutShard] = []
         for k, cluster in enumerate(clusters, start=1):
             for tag in ROLLOUT_TAGS:
                 if not cluster.workers_with(tag):
@@ -152,33 +153,37 @@ class RolloutShards:
             inference = {w: (Tag.GPU_COMPUTE if w in compute else Tag.GPU_BANDWIDTH)
                          for w in sorted(compute | set(cluster.workers_with(Tag.GPU_BANDWIDTH)))}
             events = EventLoop(cluster.client, shard=k, condition=primary_events.condition)
-            self.shards.append(RolloutShard(k, cluster, driver, events, inference,
+            self.further.append(RolloutShard(k, cluster, driver, events, inference,
                                             MembershipWatch(cluster.client)))
-        self.groups = [0] * (len(self.shards) + 1)  # groups started, per shard
+        self.groups = [0] * (len(self.further) + 1)  # groups started, per shard
+
+    def __len__(self) -> int:
+        """How many shards: shard 0 and the further ones."""
+        return 1 + len(self.further)
 
     @property
     def drivers(self) -> list[RolloutDriver]:
         """Every shard's rollout driver, shard 0's first."""
-        return [self.primary] + [s.driver for s in self.shards]
+        return [self.primary] + [s.driver for s in self.further]
 
     @property
     def loops(self) -> list[EventLoop]:
-        return [self.primary_events] + [s.events for s in self.shards]
+        return [self.primary_events] + [s.events for s in self.further]
 
     def driver(self, shard: int) -> RolloutDriver:
-        return self.primary if shard == 0 else self.shards[shard - 1].driver
+        return self.primary if shard == 0 else self.further[shard - 1].driver
 
     def slots(self) -> int:
         """Pool slots over every shard: what admission control may fill."""
         return rollout_slots(self.primary_cluster) + sum(rollout_slots(s.cluster)
-                                                         for s in self.shards)
+                                                         for s in self.further)
 
     # -- rollout ----------------------------------------------------------------------------
     def start_group(self, group_id: str, env_task: EnvTaskConfig, seed: int) -> int:
         """Start a whole group on the shard with the most free room; that shard's index."""
         # a shard missing a rollout pool has no room: its turns would wait for a worker
         slots = [rollout_slots(c) if all(d.router.has(str(t)) for t in ROLLOUT_TAGS) else 0
-                 for c, d in zip([self.primary_cluster] + [s.cluster for s in self.shards],
+                 for c, d in zip([self.primary_cluster] + [s.cluster for s in self.further],
                                  self.drivers, strict=True)]
         k = pick_shard([len(d.live) for d in self.drivers], slots)
         self.groups[k] += 1
@@ -190,7 +195,7 @@ class RolloutShards:
 
     def flush(self) -> None:
         """Submit every further shard's ready turns (shard 0's are the run's to flush)."""
-        for s in self.shards:
+        for s in self.further:
             for fut in s.driver.flush():
                 s.events.track(fut, FutureKind.TURN)
 
@@ -205,7 +210,7 @@ class RolloutShards:
 
     # -- workers leaving ---------------------------------------------------------------------
     def changes_pending(self) -> bool:
-        return any(s.membership.pending() for s in self.shards)
+        return any(s.membership.pending() for s in self.further)
 
     def membership_changes(self) -> list[tuple[RolloutShard, WorkerChange]]:
         """The further shards' workers that left or joined since (the run's, and those with
@@ -213,7 +218,7 @@ class RolloutShards:
         router; one that joined is on it, or, an inference worker, waits for weights
         (:meth:`load_on`, :meth:`loaded`)."""
         out = []
-        for s in self.shards:
+        for s in self.further:
             for change in s.membership.take():
                 worker = change.address
                 if change.change is Change.LEFT:
@@ -242,7 +247,7 @@ class RolloutShards:
     def loaded(self, worker: str) -> RolloutShard | None:
         """``worker`` loaded weights: a joining inference worker gets work from now on (its
         shard), others change nothing (None)."""
-        for s in self.shards:
+        for s in self.further:
             tags = s.joining.pop(worker, None)
             if tags is not None:
                 s.driver.router.add(worker, tags)
@@ -252,11 +257,11 @@ class RolloutShards:
     def missing_pools(self) -> dict[int, list[Tag]]:
         """Each further shard's rollout tags that no serving worker carries now."""
         return {s.index: [t for t in ROLLOUT_TAGS if not s.driver.router.has(str(t))]
-                for s in self.shards}
+                for s in self.further}
 
     def close(self) -> None:
         """The run ends: stop following the further shards' workers."""
-        for s in self.shards:
+        for s in self.further:
             s.membership.close()
 
     # -- weights ----------------------------------------------------------------------------
@@ -264,7 +269,9 @@ class RolloutShards:
         """Install the run's worker plugin (and a placement recorder) on every further shard
         and load the weights of ``snapshot`` (published on shard 0's trainer) there: the
         version each inference worker loaded."""
-        for s in self.shards:
+        if not self.further:
+            return {}
+        for s in self.further:
             s.cluster.client.register_plugin(PlacementRecorder())
             s.cluster.client.register_plugin(worker_plugin)
         return {w: f.result(timeout=timeout)
@@ -277,7 +284,7 @@ class RolloutShards:
         worker of each further shard, then loaded by every inference worker there (from that
         worker): per shard, its event loop and the load futures by worker."""
         out = []
-        for s in self.shards:
+        for s in self.further:
             if not s.inference_workers:
                 continue
             s.weights_on = next(iter(s.inference_workers))
@@ -302,16 +309,18 @@ class RolloutShards:
     # -- report -----------------------------------------------------------------------------
     def live_envs(self) -> int:
         """Environment instances still alive on the further shards' workers."""
-        return sum(r.get("envs", {}).get("live", 0) for s in self.shards
+        return sum(r.get("envs", {}).get("live", 0) for s in self.further
                    for r in s.cluster.client.run(worker_report).values())
 
     def summary(self) -> list[dict]:
         """Per shard: its scheduler, groups started, rollout tasks submitted, and (further
         shards) the tasks its scheduler ran per stage and its workers' engine versions."""
-        out = [{"shard": 0, "scheduler": self.primary_cluster.client.scheduler.address,
-                "groups": self.groups[0],
+        out = [{"shard": 0, "groups": self.groups[0],
                 "rollout_tasks_submitted": dict(self.primary.stage_submitted)}]
-        for s in self.shards:
+        if not self.further:  # the run's one scheduler
+            return out
+        out[0]["scheduler"] = self.primary_cluster.client.scheduler.address
+        for s in self.further:
             client = s.cluster.client
             reports = client.run(worker_report)
             out.append({

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class WeightLoads:
     def __init__(self, core: RunCore, trainer: TrainerHandle, events: EventLoop,
-                 abandoned: Abandoned, shards: RolloutShards | None,
+                 abandoned: Abandoned, shards: RolloutShards,
                  serving: Callable[[str, dict[str, float], int, str | None], None]):
         """``serving(worker, tags, version, pool)`` is called when an inference worker that
         joined holds the weights and may get work (``pool``: its pool on a further rollout
@@ -48,7 +48,7 @@ class WeightLoads:
         shards, to the further shards once they are ready: a PUBLISH event, counted as a load in
         flight until then)."""
         self.load(self.trainer.sync_weights(version))
-        if self.shards is not None:
+        if len(self.shards) > 1:
             self._publishing = self.events.track(self.trainer.snapshot, FutureKind.PUBLISH)
             self.core.loads_in_flight += 1
 
@@ -109,7 +109,7 @@ class WeightLoads:
         tags = self.joining.pop(worker, None)
         if tags is not None:
             self.serving(worker, tags, int(ev.result), None)
-        elif self.shards is not None and (shard := self.shards.loaded(worker)) is not None:
+        elif (shard := self.shards.loaded(worker)) is not None:
             self.serving(worker, {}, int(ev.result), shard.cluster.worker_pool.get(worker, "?"))
 
     def on_time_share(self, ev: Event) -> None:

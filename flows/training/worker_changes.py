@@ -40,7 +40,7 @@ class WorkerChanges:
         """The event loop stops waiting: a worker came or went, or a watchdog is due."""
         run = self.run
         return (run.membership.pending() or time.perf_counter() >= self._next_watchdog
-                or (run.shards is not None and run.shards.changes_pending()))
+                or run.shards.changes_pending())
 
     def waiting(self) -> bool:
         """Work is held back until a pool gets a worker again (or the trainer comes back)."""
@@ -68,8 +68,7 @@ class WorkerChanges:
                 self._left(change)
             else:
                 self._joined(change)
-        if run.shards is not None:
-            self._shard_changes()
+        self._shard_changes()
         now = time.perf_counter()
         if now < self._next_watchdog:
             return
@@ -84,9 +83,8 @@ class WorkerChanges:
         if run.scaler is not None:
             run.scaler.step(now)
         run.core.watch_pools(self.missing_pools(), now)
-        if run.shards is not None:
-            for k, missing in run.shards.missing_pools().items():
-                run.core.watch_pools(missing, now, f" on rollout shard {k}")
+        for k, missing in run.shards.missing_pools().items():
+            run.core.watch_pools(missing, now, f" on rollout shard {k}")
 
     def note(self, what: str, worker: str, detail: str = "", pool: str | None = None) -> None:
         pool = pool or self.run.cluster.worker_pool.get(worker, "?")
