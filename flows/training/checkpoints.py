@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from flows.training.orchestration import GroupDraw
 
 if TYPE_CHECKING:
     from distributed import Future
@@ -150,3 +153,15 @@ class Checkpointer:
                 logger.warning("checkpoint %s not finished: %s", directory, exc)
         self._in_flight.clear()
         self.core.checkpoints_in_flight = 0
+
+
+def resume(cfg, trainer) -> dict:
+    """The trainer resumed from ``trainer.resume_from`` (a :class:`flows.config.TrainConfig`'s);
+    the driver's state to continue from: a periodic checkpoint's, to continue exactly, or after
+    a final checkpoint its version with new group seeds (not a replay of the first run's)."""
+    version = trainer.resume(cfg.trainer.resume_from)
+    state = Path(cfg.trainer.resume_from).parent / DRIVER_STATE
+    if state.is_file():
+        return json.loads(state.read_text())
+    return {"version": version, "draw": GroupDraw(
+        cfg.env_tasks, random.Random(f"{cfg.seed}/{version}")).state()}

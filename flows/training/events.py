@@ -218,3 +218,29 @@ class Abandoned:
         for key in late - {ev.future.key for ev, _ in out}:  # came back meanwhile, or untracked
             self._at.pop(key, None)
         return out  # each :meth:`settled` once handled
+
+
+class RunClock:
+    """A run's training wall time: from its first start, the pauses between
+    :meth:`TrainingRun.train` calls not counted, a resumed run's time before added."""
+
+    def __init__(self) -> None:
+        self.t0: float | None = None  # perf_counter of the start, moved on by the pauses
+        self.before_s = 0.0  # training time of the run this one resumes
+        self._paused_at: float | None = None
+
+    def start(self) -> None:
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        elif self._paused_at is not None:
+            self.t0 += now - self._paused_at
+        self._paused_at = None
+
+    def pause(self) -> None:
+        self._paused_at = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float:
+        since = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        return self.before_s + since

@@ -5,25 +5,30 @@ from __future__ import annotations
 
 import logging
 
-from flows.config import ConfigError, TrainConfig
-from flows.config.choices import RewardBackend
+from flows.config import ConfigError, TrainConfig, reward_callables
+from flows.config.choices import Placement, RewardBackend
 from flows.config.derived import (
     device_model,
     effective_pools,
+    emulation,
+    is_emulated,
     lambda_functions,
     pool_hardware,
     reward_client_settings,
     tls_security,
+    trainer_gpus,
+    trainer_hparams,
 )
 from flows.training.turn_placement import Dispatch
 from resources.affinity import pool_tags, route
-from resources.catalog import HardwareProfile
+from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle, connect, start_local_cluster
 from resources.device_model import DeviceModel
+from resources.emulated import device_of
 from resources.hardware import PoolRouter
 from resources.lambda_emulator import LambdaEmulator
 from resources.pools import PoolSpec, Tag
-from resources.worker import quiet_close
+from resources.worker import RollArcWorkerPlugin, quiet_close
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +131,52 @@ def worker_devices(cfg: TrainConfig, cluster: ClusterHandle) -> dict[str, Device
             devices[w] = DeviceModel(model, HardwareProfile(**profile), gpus,
                                      cfg.engine.device.mfu, cfg.engine.device.mbu)
     return devices
+
+
+def check_run_inputs(cfg: TrainConfig, cluster: ClusterHandle, n_shards: int,
+                     reward_endpoint: str | None) -> None:
+    """What a run needs of what it was given: one cluster per rollout shard, the reward
+    emulation's URL when it is on, a worker advertising each pool's resource."""
+    if cfg.cluster.shards != n_shards:
+        raise ConfigError(f"cluster.shards: {cfg.cluster.shards} shards configured, the run "
+                          f"was given {n_shards} clusters (Session.start starts them)")
+    if cfg.reward.backend == RewardBackend.LAMBDA and cfg.reward.emulator.enabled \
+            and not reward_endpoint:
+        raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
+                         "reward_endpoint (flows.training.launch.start_reward_service starts it)")
+    cluster.refresh()
+    for tag in Tag:
+        if not cluster.workers_with(tag):
+            raise RuntimeError(f"no worker advertises the resource {tag}; start workers with "
+                               f"--resources \"{tag}=<slots>\"")
+
+
+def reward_settings(cfg: TrainConfig, reward_endpoint: str | None) -> dict:
+    """The reward clients' settings on the workers; a judge's profile resolved here, config
+    overrides included."""
+    settings = reward_client_settings(cfg.reward, reward_endpoint)
+    if cfg.reward.judge is not None:
+        settings["judge_hardware"] = get_profile(
+            cfg.reward.judge.profile, cfg.affinity.profiles).model_dump()
+    return settings
+
+
+def worker_plugin(cfg: TrainConfig, reward: dict) -> RollArcWorkerPlugin:
+    """The state every worker of the run holds: engine, trainer, environments, reward clients."""
+    return RollArcWorkerPlugin(
+        policy=cfg.policy.model_dump(), backend=cfg.engine.backend,
+        trainer=cfg.trainer.backend, loss=cfg.trainer.loss, seed=cfg.seed,
+        hparams=trainer_hparams(cfg).model_dump(),
+        reward=reward, reward_functions=reward_callables(cfg),
+        pool_hardware=pool_hardware(cfg), default_pool=effective_pools(cfg)[0].name,
+        trainer_gpus=trainer_gpus(cfg), emulation=emulation(cfg.engine),
+        stragglers=cfg.faults.stragglers)
+
+
+def colocated_device(cfg: TrainConfig) -> DeviceModel | None:
+    """Monolithic on emulated devices, the device model of the engines whose GPUs the train
+    step time-shares (None: the trainer has GPUs of its own)."""
+    if cfg.placement != Placement.MONOLITHIC or not is_emulated(cfg.engine):
+        return None
+    profile, _ = pool_hardware(cfg)[effective_pools(cfg)[0].name]
+    return device_of(HardwareProfile(**profile), trainer_gpus(cfg), cfg.engine.device)

@@ -58,7 +58,7 @@ def summary(run: TrainingRun) -> dict:
         submitted.update(d.stage_submitted)
         truncated.update(d.truncated)
         restarts.update(d.restarts)
-    t0 = run.t0 or 0.0
+    t0 = run.clock.t0 or 0.0
     if cfg.metrics.task_stream:
         (run.run_dir / "task_stream.json").write_text(json.dumps(
             {"tasks": client.run_on_scheduler(task_stream_snapshot),
@@ -66,7 +66,7 @@ def summary(run: TrainingRun) -> dict:
              "workers": {a: pool_of.get(a, a) for a in reports}}))
     written = run.checkpoints.seconds
     return {
-        "final_metrics": run.last_metrics,
+        "final_metrics": run.steps.last_metrics,
         "policy_version": run.version,
         "trajectories": {k: accounts[k] for k in ("started", "finished", "trained", "dropped")}
         | {"truncated": dict(truncated)},
@@ -97,6 +97,6 @@ def summary(run: TrainingRun) -> dict:
                   "emulated_wait_s_mean": sum(d.turn_totals[2] for d in drivers)
                   / max(n_turns, 1)},
         "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
-        "train_windows_s": [(a - t0, b - t0) for a, b in run.train_windows],
+        "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],
         "elapsed_s": run.elapsed_s,
     }

@@ -156,6 +156,11 @@ class RolloutShards:
             self.further.append(RolloutShard(k, cluster, driver, events, inference,
                                             MembershipWatch(cluster.client)))
         self.groups = [0] * (len(self.further) + 1)  # groups started, per shard
+        if clusters:
+            logger.info("rollout over %d shards (schedulers): %s", len(self),
+                        [c.client.scheduler.address for c in (primary_cluster, *clusters)])
+            if cfg.cluster.adaptive_env.enabled:
+                logger.warning("cluster.adaptive_env scales shard 0's environment pool only")
 
     def __len__(self) -> int:
         """How many shards: shard 0 and the further ones."""
