@@ -33,8 +33,11 @@ where its CPU could not be told apart from the driver's. Here each role is one p
 seconds psutil reads, the way a run launched with ``--scheduler`` is deployed. Worker A
 advertises ``GPU_COMPUTE`` and ``GPU_BANDWIDTH``, worker B ``CPU_ENV`` (64 slots each).
 
-Output: a Markdown table printed and saved, and :class:`SchedulerCapacity` as JSON at
-``<out>/capacity.json`` (default ``runs/bench_scheduler/``), for :func:`load_capacity`.
+Output: a Markdown table printed and saved, and the capacity as JSON at ``<out>/capacity.json``
+(default ``runs/bench_scheduler/``). The records, the capacity, its file (``load_capacity``
+reads it back) and its table are in :mod:`flows.benchmarks.scheduler_capacity`; the processes
+are :mod:`flows.benchmarks.scheduler_cluster`; this module holds the no-op tasks, the
+measurements and the command line.
 
     python -m flows.benchmarks.scheduler
     python -m flows.benchmarks.scheduler --seconds 5
@@ -44,40 +47,41 @@ Output: a Markdown table printed and saved, and :class:`SchedulerCapacity` as JS
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import dask
 import distributed
 import psutil
-from distributed import Client, Future
+from distributed import Future
 from rich.console import Console
 
-from flows.benchmarks.report import markdown_table
+from flows.benchmarks.scheduler_capacity import (
+    CAPACITY_FILE,
+    DEFAULT_OUT,
+    DynamicResult,
+    Machine,
+    SchedulerCapacity,
+    StaticResult,
+    capacity_of,
+    dynamic_result,
+    save_capacity,
+    static_result,
+    table,
+)
+from flows.benchmarks.scheduler_cluster import BenchCluster, bench_cluster
 from flows.training.events import EventLoop, FutureKind
-from resources.pools import Stage, Tag, demand
+from resources.pools import Stage, demand
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OUT = Path("runs/bench_scheduler")
-CAPACITY_FILE = "capacity.json"
-# the package root, for the worker processes to import this module's task functions from the
-# same checkout as the driver (an environment variable of the children, not a sys.path edit)
-ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60
-STOP_TIMEOUT_S = 15
 OBS_BYTES = 256  # an observation's payload (token ids of a short turn)
 DECODE_BYTES = 256  # a decode's output: sampled token ids and a cache handle
 WARMUP_CHAINS = 100
@@ -99,308 +103,6 @@ def decode(handle: bytes, past: bytes | list | None) -> bytes | list:
 def env_step(observation: bytes | list, decoded: bytes | list) -> bytes | list:
     """Stands for env_step: the next observation, what the driver gathers."""
     return observation
-
-
-# -- records -----------------------------------------------------------------------------------
-
-
-@dataclass
-class CpuSample:
-    """CPU seconds (user + system) per role over one measurement, and its wall seconds."""
-
-    wall_s: float
-    scheduler_s: float
-    driver_s: float
-    workers_s: float
-
-
-@dataclass
-class StaticResult:
-    """Chains of prefill -> decode -> env_step submitted at once, then waited for."""
-
-    chains: int
-    mapped: bool  # submitted with one client.map per stage (else one client.submit per task)
-    tasks: int
-    wall_s: float
-    tasks_per_s: float
-    wall_us_per_task: float
-    scheduler_us_per_task: float
-    driver_us_per_task: float
-    worker_us_per_task: float
-    scheduler_busy: float  # scheduler CPU seconds over wall seconds
-    driver_busy: float
-
-
-@dataclass
-class DynamicResult:
-    """Trajectories advanced turn by turn as their env_step completes."""
-
-    concurrency: int  # trajectories in flight
-    cohort: int  # trajectories per task (1: every trajectory's turn is its own tasks)
-    turns: int  # trajectory turns completed
-    tasks: int  # tasks submitted (all completed: the run drains before it stops)
-    errors: int  # turns whose env_step failed or whose result was lost
-    wall_s: float
-    turns_per_s: float
-    tasks_per_s: float
-    driver_us_per_turn: float
-    scheduler_us_per_task: float
-    worker_us_per_task: float
-    scheduler_busy: float
-    driver_busy: float
-
-
-@dataclass
-class Machine:
-    cpu_count: int
-    load_average: list[float]  # 1, 5, 15 min at the start: other work on the machine
-    dask_version: str
-    distributed_version: str
-    python: str
-    platform: str
-    worker_threads: int
-
-
-@dataclass
-class SchedulerCapacity:
-    """What one scheduler and one driver sustain for RollArc-shaped tasks on this machine."""
-
-    tasks_per_s: float  # static graph, one client.submit per task (RollArc's way)
-    scheduler_us_per_task: float  # static graph, one client.submit per task: scheduler CPU
-    mapped_tasks_per_s: float  # static graph, one client.map per stage
-    mapped_scheduler_us_per_task: float  # static graph, one client.map per stage
-    turns_per_s: float  # dynamic turns: the best over the concurrencies (one trajectory a task)
-    driver_us_per_turn: float  # dynamic turns: driver CPU per turn at that concurrency
-    batched_turns_per_s: float | None  # the best with cohorts (None: not measured)
-    machine: Machine
-    static: StaticResult
-    static_mapped: StaticResult
-    dynamic: list[DynamicResult] = field(default_factory=list)
-    batched: list[DynamicResult] = field(default_factory=list)
-    seconds: float = 0.0  # budget of each dynamic measurement
-    measured_at: str = ""
-
-
-# -- pure derivations --------------------------------------------------------------------------
-
-
-def _per(total_s: float, count: int) -> float:
-    return 1e6 * total_s / count if count else 0.0
-
-
-def static_result(chains: int, cpu: CpuSample, mapped: bool = False) -> StaticResult:
-    tasks = 3 * chains
-    return StaticResult(
-        chains=chains, mapped=mapped, tasks=tasks, wall_s=cpu.wall_s,
-        tasks_per_s=tasks / cpu.wall_s if cpu.wall_s else 0.0,
-        wall_us_per_task=_per(cpu.wall_s, tasks),
-        scheduler_us_per_task=_per(cpu.scheduler_s, tasks),
-        driver_us_per_task=_per(cpu.driver_s, tasks),
-        worker_us_per_task=_per(cpu.workers_s, tasks),
-        scheduler_busy=cpu.scheduler_s / cpu.wall_s if cpu.wall_s else 0.0,
-        driver_busy=cpu.driver_s / cpu.wall_s if cpu.wall_s else 0.0)
-
-
-def dynamic_result(concurrency: int, cohort: int, turns: int, tasks: int, errors: int,
-                   cpu: CpuSample) -> DynamicResult:
-    wall = cpu.wall_s or float("inf")
-    return DynamicResult(
-        concurrency=concurrency, cohort=cohort, turns=turns, tasks=tasks, errors=errors,
-        wall_s=cpu.wall_s, turns_per_s=turns / wall, tasks_per_s=tasks / wall,
-        driver_us_per_turn=_per(cpu.driver_s, turns),
-        scheduler_us_per_task=_per(cpu.scheduler_s, tasks),
-        worker_us_per_task=_per(cpu.workers_s, tasks),
-        scheduler_busy=cpu.scheduler_s / wall, driver_busy=cpu.driver_s / wall)
-
-
-def capacity_of(static: StaticResult, static_mapped: StaticResult,
-                dynamic: list[DynamicResult], batched: list[DynamicResult], machine: Machine,
-                seconds: float) -> SchedulerCapacity:
-    """The headline figures: the static graph's task rate and scheduler price per task, the
-    best dynamic turn rate and the driver's price per turn there."""
-    best = max(dynamic, key=lambda r: r.turns_per_s)
-    return SchedulerCapacity(
-        tasks_per_s=static.tasks_per_s, scheduler_us_per_task=static.scheduler_us_per_task,
-        mapped_tasks_per_s=static_mapped.tasks_per_s,
-        mapped_scheduler_us_per_task=static_mapped.scheduler_us_per_task,
-        turns_per_s=best.turns_per_s, driver_us_per_turn=best.driver_us_per_turn,
-        batched_turns_per_s=max((r.turns_per_s for r in batched), default=None),
-        machine=machine, static=static, static_mapped=static_mapped, dynamic=dynamic, batched=batched, seconds=seconds,
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-
-
-def capacity_from_dict(d: dict[str, Any]) -> SchedulerCapacity:
-    return SchedulerCapacity(**{
-        **d, "machine": Machine(**d["machine"]), "static": StaticResult(**d["static"]),
-        "static_mapped": StaticResult(**d["static_mapped"]),
-        "dynamic": [DynamicResult(**r) for r in d["dynamic"]],
-        "batched": [DynamicResult(**r) for r in d["batched"]]})
-
-
-def save_capacity(cap: SchedulerCapacity, out: Path) -> Path:
-    """Write ``<out>/capacity.json``; returns its path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / CAPACITY_FILE
-    path.write_text(json.dumps(asdict(cap), indent=2) + "\n")
-    return path
-
-
-def load_capacity(path: Path | str = DEFAULT_OUT) -> SchedulerCapacity:
-    """A saved :class:`SchedulerCapacity`, from its JSON file or the directory holding it."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CAPACITY_FILE
-    return capacity_from_dict(json.loads(path.read_text()))
-
-
-def table(cap: SchedulerCapacity) -> str:
-    """The figures as one Markdown table, a row per measurement."""
-    rows = [[f"static graph ({'client.map' if s.mapped else 'client.submit'})",
-             f"{s.chains} chains", "-", f"{s.tasks_per_s:.0f}", f"{s.wall_us_per_task:.0f}",
-             f"{s.scheduler_us_per_task:.0f}", "-",
-             f"{s.scheduler_busy:.2f} / {s.driver_busy:.2f}", "-"]
-            for s in (cap.static, cap.static_mapped)]
-    for r in [*cap.dynamic, *cap.batched]:
-        kind = "dynamic turns" if r.cohort == 1 else f"batched (cohort {r.cohort})"
-        rows.append([kind, f"C={r.concurrency}", f"{r.turns_per_s:.0f}", f"{r.tasks_per_s:.0f}",
-                     f"{_per(r.wall_s, r.tasks):.0f}", f"{r.scheduler_us_per_task:.0f}",
-                     f"{r.driver_us_per_turn:.0f}",
-                     f"{r.scheduler_busy:.2f} / {r.driver_busy:.2f}", str(r.errors)])
-    m = cap.machine
-    head = (f"dask {m.distributed_version}, {m.cpu_count} CPUs (load "
-            f"{m.load_average[0]:.1f} at start), {m.worker_threads} threads per worker")
-    return head + "\n\n" + markdown_table(
-        ["measurement", "size", "turns/s", "tasks/s", "wall us/task", "scheduler us/task",
-         "driver us/turn", "busy sched / driver", "errors"], rows)
-
-
-# -- the cluster -------------------------------------------------------------------------------
-
-
-@dataclass
-class BenchCluster:
-    """A scheduler process, an inference and an environment worker process, and a client."""
-
-    client: Client
-    inference: str  # worker address: GPU_COMPUTE and GPU_BANDWIDTH
-    env: str  # worker address: CPU_ENV
-    scheduler_proc: psutil.Process
-    worker_procs: list[psutil.Process]
-    threads: int
-
-    def cpu(self) -> tuple[float, float, float, float]:
-        """(wall, scheduler, driver, workers) seconds now."""
-        def used(p: psutil.Process) -> float:
-            t = p.cpu_times()
-            return t.user + t.system
-        return (time.perf_counter(), used(self.scheduler_proc), used(psutil.Process()),
-                sum(used(p) for p in self.worker_procs))
-
-    @contextlib.contextmanager
-    def measured(self) -> Iterator[list[CpuSample]]:
-        """Yields a list that holds, once the block ends, the block's :class:`CpuSample`."""
-        box: list[CpuSample] = []
-        before = self.cpu()
-        yield box
-        after = self.cpu()
-        box.append(CpuSample(*(a - b for a, b in zip(after, before, strict=True))))
-
-    def idle(self, timeout: float = 30) -> None:
-        """Wait until the scheduler has forgotten every task (the last run's releases done),
-        so that one measurement's clean-up is not billed to the next."""
-        deadline = time.monotonic() + timeout
-        while left := self.client.run_on_scheduler(_scheduler_tasks):
-            if time.monotonic() > deadline:
-                logger.warning("the scheduler still holds %d tasks", left)
-                return
-            time.sleep(0.05)
-
-
-def _scheduler_tasks(dask_scheduler=None) -> int:
-    return len(dask_scheduler.tasks)
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "DASK_LOGGING__DISTRIBUTED": "warning",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
-    with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "dask", *args], env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Wait for the processes to exit; terminate, then kill, those that do not (children
-    too, should any exist)."""
-    children = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            children += psutil.Process(p.pid).children(recursive=True)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %d did not stop on SIGTERM: killed", p.pid)
-            p.kill()
-            p.wait(timeout=STOP_TIMEOUT_S)
-    for c in children:
-        with contextlib.suppress(psutil.Error):
-            c.kill()
-
-
-@contextlib.contextmanager
-def bench_cluster(threads: int = 8, slots: int = 64) -> Iterator[BenchCluster]:
-    """Start the scheduler and the two workers as processes of their own; stop them all."""
-    procs: list[subprocess.Popen] = []
-    client = None
-    with tempfile.TemporaryDirectory(prefix="bench-scheduler-") as tmp:
-        tmpdir = Path(tmp)
-        try:
-            sched_file = tmpdir / "scheduler.json"
-            procs.append(_spawn(["scheduler", "--host", "127.0.0.1", "--port", "0",
-                                 "--no-dashboard", "--scheduler-file", str(sched_file)],
-                                tmpdir / "scheduler.log"))
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not sched_file.exists():
-                if procs[0].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the scheduler did not start: "
-                                       + (tmpdir / "scheduler.log").read_text()[-2000:])
-                time.sleep(0.1)
-            time.sleep(0.1)  # the file is written in one go, but let it land
-            address = json.loads(sched_file.read_text())["address"]
-            pools = {"inference": {Tag.GPU_COMPUTE: slots, Tag.GPU_BANDWIDTH: slots},
-                     "env": {Tag.CPU_ENV: slots}}
-            for name, tags in pools.items():
-                procs.append(_spawn(
-                    ["worker", address, "--name", name, "--nthreads", str(threads),
-                     "--resources", ",".join(f"{t}={n}" for t, n in tags.items()),
-                     "--host", "127.0.0.1", "--no-dashboard", "--no-nanny",
-                     "--memory-limit", "0", "--local-directory", str(tmpdir / name)],
-                    tmpdir / f"{name}.log"))
-            client = Client(address, timeout=START_TIMEOUT_S)
-            try:
-                client.wait_for_workers(len(pools), timeout=START_TIMEOUT_S)
-            except TimeoutError as e:
-                logs = "\n".join((tmpdir / f"{n}.log").read_text()[-1000:] for n in pools)
-                raise RuntimeError(f"the workers did not join: {logs}") from e
-            by_name = {w["name"]: a for a, w in client.scheduler_info()["workers"].items()}
-            yield BenchCluster(client, by_name["inference"], by_name["env"],
-                               psutil.Process(procs[0].pid),
-                               [psutil.Process(p.pid) for p in procs[1:]], threads)
-        finally:
-            if client is not None:
-                # the scheduler closes its workers, then itself; what is left is terminated
-                with contextlib.suppress(Exception):
-                    client.shutdown()
-                client.close()
-            _stop(procs)
 
 
 # -- the measurements --------------------------------------------------------------------------

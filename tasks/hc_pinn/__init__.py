@@ -7,5 +7,7 @@ residual neural tangent kernels: the library behind the ``hc_pinn`` env task.
 - :mod:`tasks.hc_pinn.ntk`: the trial function ``A + B N``, the residual kernel, its spectrum;
 - :mod:`tasks.hc_pinn.training`: training an HC-PINN to a loss threshold within a step budget;
 - :mod:`tasks.hc_pinn.verify`: the reward that trains an agent's proposal (a Lambda function);
-- :mod:`tasks.hc_pinn.study`: the spectral study's job and statistics.
+- :mod:`tasks.hc_pinn.study`: the spectral study's job;
+- :mod:`tasks.hc_pinn.correlations`: its statistics, Spearman's rho and the verdict (torch-free);
+- :mod:`tasks.hc_pinn.collapse`: its collapse rule and per-``B`` summaries (torch-free).
 """

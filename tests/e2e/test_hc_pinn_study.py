@@ -1,6 +1,7 @@
-"""The HC-PINN spectral study (flows/hc_pinn_study.py, tasks/hc_pinn/study.py): the command line
-end to end on a real Dask cluster and in process, failures recorded, the kernel's spectrum from
-the SVD of J, and the correlation, verdict and collapse rules on synthetic runs."""
+"""The HC-PINN spectral study (flows/hc_pinn_study.py, its sweep and report in flows/studies/,
+its job and statistics in tasks/hc_pinn/): the command line end to end on a real Dask cluster
+and in process, failures recorded, the kernel's spectrum from the SVD of J, and the correlation,
+verdict and collapse rules on synthetic runs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,20 @@ import pytest
 import torch
 
 from flows import hc_pinn_study
+from flows.studies import hc_pinn_sweep
 from tasks.hc_pinn.boundary import BoundarySpec, parse_spec
+from tasks.hc_pinn.collapse import collapsed, contrast, summarise
+from tasks.hc_pinn.correlations import (
+    POOLED,
+    Measure,
+    Outcome,
+    Predictor,
+    convergence,
+    correlations,
+    lexicographic_ranks,
+    spearman,
+    verdict,
+)
 from tasks.hc_pinn.ntk import (
     HCPinn,
     analyse,
@@ -25,23 +39,7 @@ from tasks.hc_pinn.ntk import (
     residual_ntk,
 )
 from tasks.hc_pinn.problems import get_problem
-from tasks.hc_pinn.study import (
-    POOLED,
-    Failure,
-    Measure,
-    Outcome,
-    Predictor,
-    StudyCase,
-    StudyRun,
-    collapsed,
-    contrast,
-    convergence,
-    correlations,
-    lexicographic_ranks,
-    spearman,
-    summarise,
-    verdict,
-)
+from tasks.hc_pinn.study import Failure, StudyCase, StudyRun
 from tests import ROOT
 
 STUDY = ROOT / "flows" / "hc_pinn_study.py"
@@ -154,10 +152,10 @@ def test_specs_parse_strictly_and_cases_drop_duplicates():
     cases = hc_pinn_study.cases_of(args)
     assert [(c.problem, str(c.spec), c.seed) for c in cases] == [("heat1d", "sine 2", 1),
                                                                 ("heat1d", "exp 1", 1)]
-    keys = {hc_pinn_study.job_key(c) for c in cases}
+    keys = {hc_pinn_sweep.job_key(c) for c in cases}
     assert len(keys) == 2 and all(k.startswith("hc-pinn-heat1d-") for k in keys)
     longer = StudyCase("heat1d", BoundarySpec("sine", 2), 1, max_steps=5000)
-    assert hc_pinn_study.job_key(longer) not in keys  # another budget, another result
+    assert hc_pinn_sweep.job_key(longer) not in keys  # another budget, another result
 
 
 # -- failures are recorded -------------------------------------------------------------------------
@@ -186,12 +184,12 @@ def _check_failure_recorded(runs):
 
 
 def test_a_failing_job_is_recorded_in_process():
-    _check_failure_recorded(hc_pinn_study.run_in_process(CASES, job=fake_job))
+    _check_failure_recorded(hc_pinn_sweep.run_in_process(CASES, job=fake_job))
 
 
 def test_a_study_with_a_failed_run_reports_it_and_exits_1(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(hc_pinn_study, "run_jobs", lambda cases, workers, scheduler:
-                        hc_pinn_study.run_in_process(cases, job=fake_job))
+                        hc_pinn_sweep.run_in_process(cases, job=fake_job))
     assert hc_pinn_study.main(["--problems", "poisson1d", "--specs", "poly 1", "sine 4",
                                "rfun 1", "--seeds", "0", "--steps", "10", "--workers", "0",
                                "--out", str(tmp_path)]) == 1
@@ -207,7 +205,7 @@ def test_a_failing_job_is_recorded_on_dask():
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
                       dashboard_address=":0", resources={"CPU_ENV": 1}) as cluster, \
             Client(cluster) as client:
-        _check_failure_recorded(hc_pinn_study.run_on_dask(client, CASES, job=fake_job))
+        _check_failure_recorded(hc_pinn_sweep.run_on_dask(client, CASES, job=fake_job))
 
 
 # -- the kernel's spectrum ---------------------------------------------------------------------------

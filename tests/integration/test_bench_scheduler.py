@@ -10,11 +10,11 @@ import sys
 import psutil
 import pytest
 
-from flows.benchmarks.scheduler import (
+from flows.benchmarks.scheduler import measure
+from flows.benchmarks.scheduler_capacity import (
     CAPACITY_FILE,
     SchedulerCapacity,
     load_capacity,
-    measure,
     save_capacity,
 )
 from tests import ROOT
