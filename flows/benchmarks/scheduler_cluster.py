@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # the package root, for the worker processes to import the benchmark's task functions from the
 # same checkout as the driver (an environment variable of the children, not a sys.path edit)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 15
 
