@@ -145,5 +145,5 @@ def env_scaler_for(cfg, cluster, driver) -> EnvPoolScaler | None:
         return {w: cluster.worker_tags[w][env_tag] for w in router.workers_by_tag.get(env_tag, [])
                 if cluster.worker_pool.get(w) == pool}
 
-    return EnvPoolScaler(c, cluster.cluster, pool, lambda: driver.env_seconds, workers,
+    return EnvPoolScaler(c, cluster.cluster, pool, lambda: driver.turns.env_seconds, workers,
                          driver.holds, router.remove, names)

@@ -50,19 +50,19 @@ def summary(run: TrainingRun) -> dict:
     live_envs += run.shards.live_envs()
     accounts = run.core.ledger.summary()
     drivers = run.drivers
-    n_turns = sum(d.turn_totals[0] for d in drivers)
+    n_turns = sum(d.turns.totals[0] for d in drivers)
     submitted: Counter[str] = Counter()
     truncated: Counter[str] = Counter()
     restarts: Counter[str] = Counter()
     for d in drivers:
-        submitted.update(d.stage_submitted)
+        submitted.update(d.tasks.submitted)
         truncated.update(d.truncated)
         restarts.update(d.restarts)
     t0 = run.clock.t0 or 0.0
     if cfg.metrics.task_stream:
         (run.run_dir / "task_stream.json").write_text(json.dumps(
             {"tasks": client.run_on_scheduler(task_stream_snapshot),
-             "turns": [t for d in drivers for t in d.turn_log],
+             "turns": [t for d in drivers for t in d.turns.each],
              "workers": {a: pool_of.get(a, a) for a in reports}}))
     written = run.checkpoints.seconds
     return {
@@ -93,8 +93,8 @@ def summary(run: TrainingRun) -> dict:
         "env_pool": [] if run.scaler is None else [
             dict(h, at=round(h["at"] - t0, 2)) for h in run.scaler.history],
         "turns": {"count": n_turns,
-                  "wall_s_mean": sum(d.turn_totals[1] for d in drivers) / max(n_turns, 1),
-                  "emulated_wait_s_mean": sum(d.turn_totals[2] for d in drivers)
+                  "wall_s_mean": sum(d.turns.totals[1] for d in drivers) / max(n_turns, 1),
+                  "emulated_wait_s_mean": sum(d.turns.totals[2] for d in drivers)
                   / max(n_turns, 1)},
         "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
         "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],

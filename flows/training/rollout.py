@@ -11,11 +11,9 @@ Turns that are ready at the same moment on the same workers go as one *cohort*
 them, their members run side by side inside it. A Dask task costs about a millisecond of
 orchestration whatever it computes, so this is what lets the embedded default's millisecond
 turns run at the speed of a single-process loop; ``cohort_max: 1`` submits every trajectory's
-turn on its own. Keys are ``"{stage}-{trajectory}-{turn}-{attempt}"`` for a single trajectory and
-``"{stage}-c{cohort}-{members}-0"`` for a cohort: the dashboard groups by stage and a restarted
-trajectory never picks up an old key's result. The functions run are those of a
-:class:`tasks.stages.Stages`; every change of a trajectory's state goes through the
-:class:`flows.training.lifecycle.TrajectoryLedger`.
+turn on its own. The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard
+groups them by stage and a restarted trajectory never picks up an old key's result. Every change
+of a trajectory's state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`.
 """
 
 from __future__ import annotations
@@ -25,27 +23,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from flows.config import EnvTaskConfig, TrainConfig
 from flows.config.derived import batch_trajectories, with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.training.episode import RolloutRecord, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
-from flows.training.orchestration import Router, decode_seed
-from flows.training.turn_placement import ResponseLengths, TurnPlan, plan_turn
+from flows.training.orchestration import Router
+from flows.training.turn_placement import ResponseLengths, TurnPlan, place_turn
+from flows.training.turn_tasks import Cohort, CohortKey, TurnLog, TurnTasks
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
-from resources.pools import Stage, Tag, submit_on
-from resources.worker import with_backend, with_envs, with_registry
-from tasks.cohort import (
-    MemberError,
-    close_after,
-    decode_many,
-    env_reset_many,
-    env_step_many,
-    prefill_many,
-)
+from resources.pools import Tag
+from tasks.cohort import MemberError
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
@@ -60,18 +51,6 @@ class TurnOutcome:
     dropped: list[RolloutRecord] = field(default_factory=list)  # reasons are in the ledger
 
 
-@dataclass
-class _Cohort:
-    traj_ids: list[int]
-    suffix: str  # of its tasks' keys
-    submitted: float  # wall clock
-    step: Future  # its env_step: what the driver waits on
-    decode: Future
-    workers: frozenset[str]  # every worker it runs on or reads a cache from
-    env_task: str
-
-
-MIXED_SPAN = "mixed"  # the span of a cohort holding several env tasks
 # evaluation episodes' trajectory ids start here (training ids count up from 0)
 EVAL_ID_OFFSET = 10**9
 
@@ -112,32 +91,22 @@ class RolloutDriver:
                               for name, sp in self.sampling.items()}
         self.live: dict[int, RolloutRecord] = {}
         self._ready: list[RolloutRecord] = []  # next turn to submit (rec.next_obs; None: reset)
-        self._cohorts: dict[str, _Cohort] = {}  # by the key of its env_step
-        self._next_cohort = 0
+        self._cohorts: dict[str, Cohort] = {}  # by the key of its env_step
+        self.tasks = TurnTasks(client, stages, self.spans, key_tag, cfg.seed,
+                               cfg.policy.system_prompt, self.env_specs)
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.restarts: Counter[str] = Counter()  # trajectories restarted, by the reason
-        self.env_seconds = 0.0  # environment step time of every finished turn, summed
         self.lost_workers: set[str] = set()
-        self.stage_submitted: dict[str, int] = {}
         self._next_id = 0
         # evaluation episodes take ids of their own, so that they never shift the training
         # trajectories' ids and with them their sampling seeds
         self._next_eval_id = EVAL_ID_OFFSET
         self._stopping = False
         self.error_streak = 0
-        self._closing: list[Future] = []  # env closes, held until done
-        self._close_worker: dict[str, str] = {}  # close key -> its worker
         # cohorts the driver gave up on (a worker lost, a turn past rollout.turn_timeout_s):
         # env_step key -> (reason, detail), read when the cancelled future comes back
         self._abandoned: dict[str, tuple[DropReason, str]] = {}
-        # per turn, with metrics.task_stream only (a long run's would grow without end): its
-        # tasks' key suffix, (submitted, answered) wall-clock times, the emulated waits within,
-        # and "trajectory-attempt": the benchmark subtracts the tasks' compute intervals to get
-        # the orchestration overhead
-        self.turn_log: list[tuple[str, float, float, float, str]] = []
-        self.keep_turn_log = cfg.metrics.task_stream
-        # the same, as running totals, always: turns, wall seconds, emulated-wait seconds
-        self.turn_totals = [0, 0.0, 0.0]
+        self.turns = TurnLog(cfg.metrics.task_stream, cfg.engine.time_scale)
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
 
@@ -173,13 +142,6 @@ class RolloutDriver:
                 self._drop(rec, reason, "training ended before its next turn")
 
     # -- submission -------------------------------------------------------------------------
-    def _submit(self, stage: Stage, adapter, fn, *args, worker: str, key: str, env_task: str,
-                tag: Tag | None = None, **kwargs) -> Future:
-        self.stage_submitted[stage.value] = self.stage_submitted.get(stage.value, 0) + 1
-        with self.spans(env_task, stage.value):
-            return submit_on(self.client, worker, stage, adapter, fn, *args, key=key, tag=tag,
-                             **kwargs)
-
     def replace_env(self, env_task: str, env_spec: dict) -> None:
         """The environment (a component spec, faults included) of ``env_task``'s trajectories
         started from now on."""
@@ -222,15 +184,15 @@ class RolloutDriver:
         """Submit every ready turn, as cohorts of trajectories that share their workers; the
         futures (one env_step per cohort) are what to wait on."""
         ready, self._ready = self._ready, []
-        groups: dict[tuple, list[tuple[RolloutRecord, TurnShape | None]]] = {}
+        groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]] = {}
         for rec in ready:
             if not self._placeable(rec):
                 self._ready.append(rec)
                 continue
             if rec.handle is None:  # a fresh environment, on the least-loaded CPU worker
                 rec.env_worker = self.router.choose(Tag.CPU_ENV)
-                rec.handle = EnvHandle(rec.env_worker,
-                                       f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
+                rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}."
+                                                       f"{rec.attempt}")
             shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
                                rec.attempt)
             rec.last_shape = shape
@@ -239,62 +201,21 @@ class RolloutDriver:
             for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
                 self.router.started(w)
             env_task = rec.env_task.name if self.cfg.rollout.cohort_per_env_task else None
-            key = (rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
-                   plan.prefill_tag, plan.decode_worker, plan.decode_tag)
+            key = CohortKey(rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
+                            plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         size = self.cfg.rollout.cohort_max
-        return [self._submit_cohort(key, members[i:i + size])
-                for key, members in groups.items() for i in range(0, len(members), size)]
-
-    def _submit_cohort(self, key: tuple, members: list[tuple[RolloutRecord, TurnShape | None]]
-                       ) -> Future:
-        """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members."""
-        fresh, _, env_w, pre_w, pre_tag, dec_w, dec_tag = key
-        recs = [rec for rec, _ in members]
-        # the span of the cohort's tasks: its env task, or "mixed" when it holds several
-        env_task = recs[0].env_task.name
-        if any(r.env_task.name != env_task for r in recs):
-            env_task = MIXED_SPAN
-        shapes = [shape for _, shape in members]
-        if len(recs) == 1:
-            r = recs[0]
-            suffix = f"{r.traj_id}-{r.turn}-{r.attempt}{self.key_tag}"
-        else:
-            suffix = f"c{self._next_cohort}-{len(recs)}-0{self.key_tag}"
-        self._next_cohort += 1
-        st = self.stages
-        reset = None
-        if fresh:
-            reset = self._submit(
-                Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
-                [self.env_specs[r.env_task.name] for r in recs], [r.seed for r in recs],
-                [r.handle.instance_id for r in recs], self.cfg.policy.system_prompt,
-                worker=env_w, key=f"env_reset-{suffix}", env_task=env_task)
-            observations = [(reset, i) for i in range(len(recs))]
-        else:
-            observations = [r.next_obs for r in recs]
-        pasts = [r.last_decode for r in recs]
-        pre = self._submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts,
-                           observations, shapes, worker=pre_w, tag=pre_tag,
-                           key=f"prefill-{suffix}", env_task=env_task)
-        params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
-                  for r in recs]
-        seeds = [decode_seed(self.cfg.seed, r.traj_id, r.turn, r.attempt) for r in recs]
-        dec = self._submit(Stage.DECODE, with_backend, decode_many, st.decode, pre, pasts,
-                           params, seeds, shapes, worker=dec_w, tag=dec_tag,
-                           key=f"decode-{suffix}", env_task=env_task)
-        step = self._submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
-                            observations, dec, worker=env_w, key=f"env_step-{suffix}",
-                            env_task=env_task)
-        # the workers holding the members' caches so far are needed too
-        workers = {env_w, pre_w, dec_w} | {r.kv_worker for r in recs if r.kv_worker}
-        for i, r in enumerate(recs):
-            r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
-            r.kv_worker = dec_w
-            r.env_reset = reset  # until the turn comes back, a close must wait for it
-        self._cohorts[step.key] = _Cohort([r.traj_id for r in recs], suffix, time.time(), step,
-                                          dec, frozenset(workers), env_task)
-        return step
+        futures = []
+        for key, members in groups.items():
+            for i in range(0, len(members), size):
+                recs = [rec for rec, _ in members[i:i + size]]
+                params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
+                          for r in recs]
+                cohort = self.tasks.cohort(key, recs, [s for _, s in members[i:i + size]],
+                                           params)
+                self._cohorts[cohort.step.key] = cohort
+                futures.append(cohort.step)
+        return futures
 
     # -- faults -----------------------------------------------------------------------------
     def worker_lost(self, worker: str) -> tuple[list[Future], TurnOutcome]:
@@ -309,9 +230,7 @@ class RolloutDriver:
             if worker in cohort.workers and key not in self._abandoned:
                 self._abandoned[key] = (DropReason.WORKER_LOST, detail)
                 lost.append(cohort.step)
-        # closes aimed at it will never run: forgotten, so that the end of the run does not wait
-        self._closing = [f for f in self._closing if f.key not in self._close_worker
-                         or self._close_worker[f.key] != worker]
+        self.tasks.forget_closes_on(worker)
         out = TurnOutcome()
         waiting, self._ready = self._ready, []
         held, self._held = self._held, []
@@ -348,12 +267,6 @@ class RolloutDriver:
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
         """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`)."""
-        if self.devices is None:
-            # decode stays on the worker holding the cache; prefill joins it when that worker
-            # can prefill too (colocation), else goes to the least-loaded compute worker
-            dec = self.router.choose(Tag.GPU_BANDWIDTH, prefer=rec.decode_worker)
-            pre = self.router.choose(Tag.GPU_COMPUTE, prefer=dec)
-            return TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
         if shape is not None:
             prompt = shape.prompt_tokens
         elif isinstance(observation, EnvObservation):
@@ -361,12 +274,9 @@ class RolloutDriver:
         else:
             prompt = 0  # the reset's prompt is not known here; the first turn splits
         context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
-        return plan_turn(self.devices, self.router.load,
-                         self.router.workers_by_tag[str(Tag.GPU_COMPUTE)],
-                         self.router.workers_by_tag[str(Tag.GPU_BANDWIDTH)],
-                         rec.decode_worker if rec.last_decode is not None else None,
-                         rec.decode_worker, prompt, context,
-                         self.lengths.expected(rec.env_task.name) if prompt else None)
+        return place_turn(self.router, self.devices, rec.decode_worker,
+                          rec.decode_worker if rec.last_decode is not None else None, prompt,
+                          context, self.lengths.expected(rec.env_task.name) if prompt else None)
 
     def _release(self, rec: RolloutRecord) -> None:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
@@ -394,25 +304,13 @@ class RolloutDriver:
                 self._member_failed(rec, res.error, out, reason)
             else:
                 rec.env_reset = None
-                self._log_turn(rec, res, cohort, now)
+                self.turns.record(rec, res, cohort, now)
+                shape = rec.last_shape
+                self.lengths.record(rec.env_task.name, len(res.sample.token_ids) if shape is None
+                                    else res.sample.virtual_tokens - shape.prompt_tokens)
                 self._member_stepped(rec, res, out)
         self._release_barrier()
         return out
-
-    def _log_turn(self, rec: RolloutRecord, obs: EnvObservation, cohort: _Cohort,
-                  now: float) -> None:
-        self.env_seconds += obs.step_seconds
-        shape = rec.last_shape
-        self.lengths.record(rec.env_task.name, obs.sample.virtual_tokens - shape.prompt_tokens
-                            if shape is not None else len(obs.sample.token_ids))
-        remote = float(obs.info.get("remote_latency_s", 0.0)) * self.cfg.engine.time_scale
-        waited = obs.sample.emulated_wait_s + remote
-        self.turn_totals[0] += 1
-        self.turn_totals[1] += now - cohort.submitted
-        self.turn_totals[2] += waited
-        if self.keep_turn_log:
-            self.turn_log.append((cohort.suffix, cohort.submitted, now, waited,
-                                  f"{rec.traj_id}-{rec.attempt}"))
 
     def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
         self.error_streak = 0
@@ -477,20 +375,13 @@ class RolloutDriver:
     def holds(self, worker: str) -> bool:
         """Live trajectories have environment instances on ``worker`` (or closes pending)."""
         return (any(r.env_worker == worker for r in self.live.values())
-                or any(w == worker for w in self._close_worker.values()))
+                or self.tasks.closing_on(worker))
 
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
         if rec.handle is None or rec.handle.worker in self.lost_workers:
             return None  # never placed, or lost with its worker
-        fut = self._submit(Stage.ENV_CLOSE, with_registry, close_after, self.stages.env_close,
-                           rec.handle, rec.env_reset, worker=rec.handle.worker,
-                           env_task=rec.env_task.name,
-                           key=f"env_close-{rec.traj_id}-{rec.turn}-{rec.attempt}"
-                               f"{self.key_tag}")
-        self._closing.append(fut)  # held until done: a released future may never run
-        self._close_worker[fut.key] = rec.handle.worker
-        return fut
+        return self.tasks.close_env(rec)
 
     def close_all(self) -> None:
         """An aborted run: close every live trajectory's environment instance; nothing more is
@@ -502,15 +393,7 @@ class RolloutDriver:
 
     def prune_closing(self) -> None:
         """Forget closes that ran; those aimed at a lost worker must not stall the run."""
-        self._closing = [f for f in self._closing if not f.done()]
-        self._close_worker = {f.key: self._close_worker[f.key] for f in self._closing}
+        self.tasks.prune_closing()
 
     def wait_closing(self, timeout: float = 60) -> None:
-        try:
-            wait(self._closing, timeout=timeout)
-        except TimeoutError:
-            logger.warning("%d environment closes did not finish", len(self._closing))
-        failed = [f for f in self._closing if f.status == "error"]
-        if failed:
-            logger.warning("%d environment closes failed, the first with %r", len(failed),
-                           failed[0].exception())
+        self.tasks.wait_closing(timeout)

@@ -321,7 +321,7 @@ class RolloutShards:
         """Per shard: its scheduler, groups started, rollout tasks submitted, and (further
         shards) the tasks its scheduler ran per stage and its workers' engine versions."""
         out = [{"shard": 0, "groups": self.groups[0],
-                "rollout_tasks_submitted": dict(self.primary.stage_submitted)}]
+                "rollout_tasks_submitted": dict(self.primary.tasks.submitted)}]
         if not self.further:  # the run's one scheduler
             return out
         out[0]["scheduler"] = self.primary_cluster.client.scheduler.address
@@ -331,7 +331,7 @@ class RolloutShards:
             out.append({
                 "shard": s.index, "scheduler": client.scheduler.address,
                 "groups": self.groups[s.index],
-                "rollout_tasks_submitted": dict(s.driver.stage_submitted),
+                "rollout_tasks_submitted": dict(s.driver.tasks.submitted),
                 "tasks_per_stage": {stage: sum(per_worker.values()) for stage, per_worker
                                     in sorted(client.run_on_scheduler(
                                         placement_snapshot).items())},

@@ -98,3 +98,20 @@ def plan_turn(devices: dict[str, DeviceModel], load: Counter, compute: list[str]
                       cache_at is not None and cache_at != d_w and p_w != d_w, p_w != d_w)
         options.append(TurnPlan(p_w, d_w, p_tag, d_tag, t))
     return min(options, key=lambda o: o.estimate_s)
+
+
+def place_turn(workers, devices: dict[str, DeviceModel] | None, decode_worker: str | None,
+               kv_at: str | None, prompt: int, context: int,
+               expected: float | None) -> TurnPlan:
+    """Where a turn's prefill and decode run, on ``workers``
+    (:class:`flows.training.orchestration.PoolWorkers`: each pool's workers and their load).
+    Without device models (``split``), decode stays on the worker holding the cache and prefill
+    joins it when that worker can prefill too (colocation), else goes to the least-loaded
+    compute worker; with them (``length_aware``), :func:`plan_turn` decides."""
+    if devices is None:
+        dec = workers.choose(Tag.GPU_BANDWIDTH, prefer=decode_worker)
+        pre = workers.choose(Tag.GPU_COMPUTE, prefer=dec)
+        return TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
+    return plan_turn(devices, workers.load, workers.workers_by_tag[str(Tag.GPU_COMPUTE)],
+                     workers.workers_by_tag[str(Tag.GPU_BANDWIDTH)], kv_at, decode_worker,
+                     prompt, context, expected)
