@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from flows.training.lifecycle import TrajState
 from resources.placement import placement_snapshot, task_stream_snapshot
@@ -35,7 +35,29 @@ def live_figures(run: TrainingRun) -> dict:
             "policy_version": run.version}
 
 
-def summary(run: TrainingRun) -> dict:
+class RunSummary(TypedDict, total=False):
+    """A run's account at its end, as ``summary.json`` holds it (the ``status`` of how it ended
+    is added by :func:`flows.api.run_training`)."""
+    final_metrics: dict  # the last train step's metrics row
+    policy_version: int
+    trajectories: dict  # started, finished, trained, dropped (by reason), truncated
+    drop_details: list  # the first 20 drops: trajectory, reason, detail
+    evaluation: dict  # episodes started and dropped, the last round's metrics
+    tasks_per_stage_per_pool: dict[str, dict[str, int]]
+    rollout_tasks_submitted: dict[str, int]
+    shards: list[dict]  # per rollout shard: scheduler, groups, tasks
+    reward: dict  # calls, chunks, throttles, lost; backend and endpoint
+    live_env_instances_at_end: int  # environments left open: 0 unless something leaked
+    faults: dict  # worker changes, recovery seconds, restarts, resent scores, checkpoints
+    env_pool: list[dict]  # the environment pool's size over time (cluster.adaptive_env)
+    turns: dict  # count, mean wall and emulated-wait seconds
+    workers: dict[str, dict]  # each worker's report, with its pool
+    train_windows_s: list[tuple[float, float]]  # each train step, from the run's start
+    elapsed_s: float
+    status: str
+
+
+def summary(run: TrainingRun) -> RunSummary:
     """The run's account at its end: trajectories, placement, rewards, faults, workers."""
     cfg, client, pool_of = run.cfg, run.client, run.cluster.worker_pool
     placement = client.run_on_scheduler(placement_snapshot)
@@ -65,7 +87,7 @@ def summary(run: TrainingRun) -> dict:
              "turns": [t for d in drivers for t in d.turns.each],
              "workers": {a: pool_of.get(a, a) for a in reports}}))
     written = run.checkpoints.seconds
-    return {
+    account: RunSummary = {
         "final_metrics": run.steps.last_metrics,
         "policy_version": run.version,
         "trajectories": {k: accounts[k] for k in ("started", "finished", "trained", "dropped")}
@@ -100,3 +122,4 @@ def summary(run: TrainingRun) -> dict:
         "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],
         "elapsed_s": run.elapsed_s,
     }
+    return account

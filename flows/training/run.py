@@ -237,7 +237,7 @@ class TrainingRun:
     def save(self) -> str:
         return self.trainer.save(str(self.run_dir.resolve()), self.version)
 
-    def summary(self) -> dict:
+    def summary(self) -> report.RunSummary:
         return report.summary(self)
 
     # -- instructions -----------------------------------------------------------------------
