@@ -20,10 +20,13 @@ is the one that talks to AWS:
   (:mod:`resources.lambda_management`), so that ``aws lambda list-functions --endpoint-url ...``
   works; any other route answers with Lambda's JSON error shape.
 
-Each function runs in its own pool of worker processes (spawned, like sandboxes), as many as its
-concurrency. A cold start is a new process's first import of the handler module and its set-up;
-``init_delay_s`` adds to it and ``latency_s`` adds to every call (standing in for a remote
-service: the caller waits, no core is burnt). Function definitions come from the SAM template
+Each function runs in its own pool of worker processes (spawned, like sandboxes:
+:mod:`resources.lambda_sandbox`), as many as its concurrency; this module holds the functions,
+their concurrency slots and warm sandboxes, and the service's life cycle and counts, while
+:mod:`resources.lambda_http` holds the routes, status codes and headers. A cold start is a
+new process's first import of the handler module and its set-up; ``init_delay_s`` adds to it
+and ``latency_s`` adds to every call (standing in for a remote service: the caller waits, no
+core is burnt). Function definitions come from the SAM template
 (:func:`LambdaEmulator.from_template`), so the emulation runs what would be deployed.
 
 Command line: ``python -m resources.lambda_emulator --port 3001`` (Ctrl-C stops it).
@@ -31,33 +34,26 @@ Command line: ``python -m resources.lambda_emulator --port 3001`` (Ctrl-C stops 
 
 from __future__ import annotations
 
-import base64
-import io
-import json
 import logging
 import os
 import random
-import struct
-import subprocess
 import sys
 import threading
 import time
-import traceback
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from resources.lambda_management import FunctionCatalog, Reply, function_name, invoked_function
-from resources.lambda_management import unknown as unknown_route
+from resources.lambda_http import make_server
+from resources.lambda_management import FunctionCatalog
+from resources.lambda_sandbox import Sandbox
 from resources.net import warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
 SYNC_PAYLOAD_LIMIT = 6 * 1024 * 1024
 ASYNC_PAYLOAD_LIMIT = 1024 * 1024
-LOG_TAIL_BYTES = 4096
 MB_PER_VCPU = 1769  # Lambda allocates one vCPU per 1,769 MB of memory
 
 
@@ -80,158 +76,7 @@ class FunctionSpec:
     image_uri: str | None = None
 
 
-# -- a sandbox: one process that runs one function's handler, one invocation at a time ----------
-def _write_frame(f, data: bytes) -> None:
-    f.write(struct.pack("<Q", len(data)))
-    f.write(data)
-
-
-def _read_frame(f) -> bytes | None:
-    head = f.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    data = f.read(n)
-    return data if len(data) == n else None
-
-
-class _Capture(io.TextIOBase):
-    """The sandbox's stdout and stderr: what a handler writes during one invocation (loggers
-    created at import time included, since they hold this very stream)."""
-
-    def __init__(self) -> None:
-        self._buf = io.StringIO()
-
-    def write(self, s: str) -> int:
-        return self._buf.write(s)
-
-    def take(self) -> str:
-        text, self._buf = self._buf.getvalue(), io.StringIO()
-        return text
-
-
-@dataclass
-class EmulatedContext:
-    """The attributes of Lambda's context object that handlers and powertools read."""
-
-    function_name: str
-    memory_limit_in_mb: int
-    invoked_function_arn: str
-    aws_request_id: str
-    deadline_ms: float
-    function_version: str = "$LATEST"
-    log_group_name: str = ""
-    log_stream_name: str = ""
-
-    def get_remaining_time_in_millis(self) -> int:
-        return max(0, int(self.deadline_ms - time.time() * 1000))
-
-
-def _sandbox_main() -> int:
-    """The sandbox process: read (header, payload) frames, answer (header, body) frames."""
-    from tasks.components import resolve
-
-    out = os.fdopen(os.dup(1), "wb")
-    inp = sys.stdin.buffer
-    capture = _Capture()
-    sys.stdout = sys.stderr = capture
-    handler = None
-    while True:
-        raw = _read_frame(inp)
-        payload = _read_frame(inp) if raw is not None else None
-        if payload is None:
-            return 0
-        req = json.loads(raw)
-        init_ms = None
-        if handler is None:  # cold start: import the handler's module and run its set-up
-            t = time.perf_counter()
-            time.sleep(req["init_delay_s"])
-            try:
-                handler = resolve(req["handler"])
-            except Exception:
-                traceback.print_exc()
-                raise
-            init_ms = (time.perf_counter() - t) * 1000
-        ctx = EmulatedContext(req["function"], req["memory_mb"], req["arn"], req["request_id"],
-                              deadline_ms=time.time() * 1000 + req["timeout_s"] * 1000,
-                              log_group_name=f"/aws/lambda/{req['function']}")
-        t = time.perf_counter()
-        error = None
-        try:
-            body = json.dumps(handler(json.loads(payload), ctx)).encode()
-        except Exception as exc:
-            error = "Unhandled"
-            body = json.dumps({"errorMessage": str(exc), "errorType": type(exc).__name__,
-                               "requestId": req["request_id"],
-                               "stackTrace": traceback.format_tb(exc.__traceback__)}).encode()
-            traceback.print_exc()
-        reply = {"error": error, "duration_ms": (time.perf_counter() - t) * 1000,
-                 "init_ms": init_ms, "log": capture.take()}
-        _write_frame(out, json.dumps(reply).encode())
-        _write_frame(out, body)
-        out.flush()
-
-
-class _Sandbox:
-    """The parent's handle on one sandbox process. A sandbox that overruns its deadline is
-    killed, as Lambda stops a timed-out execution environment."""
-
-    def __init__(self, spec: FunctionSpec, env: dict[str, str]):
-        self.spec = spec
-        self.fresh = True
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "resources.lambda_emulator", "--sandbox"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-
-    def call(self, req: dict, payload: bytes, deadline_s: float) -> tuple[dict, bytes]:
-        fired = threading.Event()
-
-        def kill():
-            fired.set()
-            self.proc.kill()
-
-        timer = threading.Timer(deadline_s, kill)
-        timer.start()
-        try:
-            _write_frame(self.proc.stdin, json.dumps(req).encode())
-            _write_frame(self.proc.stdin, payload)
-            self.proc.stdin.flush()
-            raw = _read_frame(self.proc.stdout)
-            body = _read_frame(self.proc.stdout) if raw is not None else None
-        except (BrokenPipeError, OSError):
-            raw = body = None
-        finally:
-            timer.cancel()
-        self.fresh = False
-        if raw is None or body is None:
-            self.close()
-            if fired.is_set():
-                msg, kind = f"Task timed out after {self.spec.timeout_s:.2f} seconds", \
-                    "Sandbox.Timedout"
-            else:
-                msg, kind = f"sandbox exited with code {self.proc.poll()}", "Runtime.ExitError"
-            return ({"error": "Unhandled", "duration_ms": deadline_s * 1000, "init_ms": None,
-                     "log": "", "dead": True},
-                    json.dumps({"errorMessage": msg, "errorType": kind,
-                                "requestId": req["request_id"]}).encode())
-        return json.loads(raw), body
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-# -- the service ----------------------------------------------------------------------------------
+# -- the service: functions, their concurrency slots and warm sandboxes ------------------------
 class _Function:
     """A function's concurrency slots and its warm sandboxes."""
 
@@ -240,8 +85,8 @@ class _Function:
         self.concurrency = concurrency
         self.init_timeout_s = init_timeout_s
         self.slots = threading.BoundedSemaphore(concurrency)
-        self._idle: list[_Sandbox] = []
-        self._all: list[_Sandbox] = []
+        self._idle: list[Sandbox] = []
+        self._all: list[Sandbox] = []
         self._lock = threading.Lock()
         self.env = dict(os.environ) | dict(spec.environment)
         # match torch/BLAS threads to the vCPUs the memory size buys, as in a Lambda sandbox
@@ -251,18 +96,18 @@ class _Function:
             [p for p in sys.path if p and os.path.isdir(p)]
             + [self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
-    def acquire(self) -> _Sandbox:
+    def acquire(self) -> Sandbox:
         """A warm sandbox if one is idle, else a new one (a cold start)."""
         with self._lock:
             while self._idle:
                 sb = self._idle.pop()
                 if sb.alive:
                     return sb
-            sb = _Sandbox(self.spec, self.env)
+            sb = Sandbox(self.spec, self.env)
             self._all.append(sb)
             return sb
 
-    def release(self, sb: _Sandbox) -> None:
+    def release(self, sb: Sandbox) -> None:
         with self._lock:
             if sb.alive:
                 self._idle.append(sb)
@@ -275,19 +120,6 @@ class _Function:
                 sb.close()
             self._all.clear()
             self._idle.clear()
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        """A caller that closed its kept-alive connection is no error (socketserver would print
-        a traceback to stderr); anything else is logged."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, ConnectionError):
-            logger.debug("connection from %s closed by the caller", client_address)
-            return
-        logger.exception("request from %s failed", client_address)
 
 
 class LambdaEmulator:
@@ -310,7 +142,7 @@ class LambdaEmulator:
         self._stats: Counter[str] = Counter()
         self._running = 0
         self._lock = threading.Lock()
-        self._server: _Server | None = None
+        self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._events: list[threading.Thread] = []
         # injected faults (FaultsConfig.reward's fields): rates of each kind, one draw per call
@@ -320,7 +152,7 @@ class LambdaEmulator:
     @classmethod
     def from_template(cls, template: str | Path | None = None, **kwargs) -> LambdaEmulator:
         """The functions of a SAM template (default: ``resources/lambda/template.yaml``)."""
-        from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
+        from resources.lambda_template import DEFAULT_TEMPLATE, function_specs, load_sam_template
 
         specs = function_specs(load_sam_template(template or DEFAULT_TEMPLATE))
         return cls([FunctionSpec(name, s["handler"], s["timeout_s"], s["memory_mb"],
@@ -331,15 +163,9 @@ class LambdaEmulator:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LambdaEmulator:
-        emulator = self
-
-        class Handler(_InvokeHandler):
-            pass
-
-        Handler.emulator = emulator
         warn_if_exposed("the Lambda emulation (it runs reward functions for any caller)",
                         self.host)
-        self._server = _Server((self.host, self.port), Handler)
+        self._server = make_server(self, self.host, self.port)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="lambda-emulator")
@@ -375,7 +201,8 @@ class LambdaEmulator:
         with self._lock:
             return dict(self._stats)
 
-    def _count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str, n: int = 1) -> None:
+        """Adds ``n`` to one of the counts of :meth:`stats`."""
         with self._lock:
             self._stats[key] += n
 
@@ -388,7 +215,7 @@ class LambdaEmulator:
         for kind in ("throttle", "error_5xx", "timeout", "function_error"):
             rate = float(f.get(f"{kind}_rate", 0.0))
             if u < rate:
-                self._count(f"injected_{kind}")
+                self.count(f"injected_{kind}")
                 return kind
             u -= rate
         return None
@@ -419,11 +246,11 @@ class LambdaEmulator:
         finally:
             with self._lock:
                 self._running -= 1
-        self._count("invocations")
+        self.count("invocations")
         if error:
-            self._count("function_errors")
+            self.count("function_errors")
         if init_ms is not None:
-            self._count("cold_starts")
+            self.count("cold_starts")
         report = (f"REPORT RequestId: {request_id}\tDuration: {duration_ms:.2f} ms\t"
                   f"Billed Duration: {max(1, round(duration_ms))} ms\t"
                   f"Memory Size: {fn.spec.memory_mb} MB")
@@ -444,135 +271,9 @@ class LambdaEmulator:
         t.start()
 
 
-class _InvokeHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: boto3 reuses its pooled connections
-    emulator: LambdaEmulator
-
-    def log_message(self, format, *args):  # route the server's access log to logging
-        logger.debug("%s " + format, self.address_string(), *args)
-
-    def _reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None):
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):  # the caller gave up (read timeout)
-            logger.debug("caller closed the connection before the response")
-
-    def _error(self, status: int, error_type: str, message: str, request_id: str,
-               extra: dict | None = None, headers: dict[str, str] | None = None):
-        body = json.dumps({"Type": "User", "message": message} | (extra or {})).encode()
-        self._reply(status, body, {"x-amzn-ErrorType": error_type,
-                                   "x-amzn-RequestId": request_id} | (headers or {}))
-
-    def _send(self, reply: Reply, request_id: str) -> None:
-        if reply.error_type is not None:
-            return self._error(reply.status, reply.error_type, reply.body["message"], request_id)
-        self._reply(reply.status, json.dumps(reply.body).encode(),
-                    {"x-amzn-RequestId": request_id})
-
-    def _body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
-
-    def do_GET(self):
-        """GetFunction, GetFunctionConfiguration, ListFunctions."""
-        self._body()  # read, so that the kept-alive connection stays in step
-        self._send(self.emulator.catalog.get(self.path), str(uuid.uuid4()))
-
-    def _unknown(self):  # what the emulation does not serve, as Lambda's JSON error
-        self._body()
-        self._send(unknown_route(self.command, self.path), str(uuid.uuid4()))
-
-    do_PUT = do_DELETE = do_PATCH = _unknown
-
-    def do_HEAD(self):
-        self._reply(404, b"", {"x-amzn-ErrorType": "UnknownOperationException"})
-
-    def do_POST(self):
-        em = self.emulator
-        request_id = str(uuid.uuid4())
-        payload = self._body()
-        segment = invoked_function(self.path)
-        if segment is None:
-            return self._send(unknown_route("POST", self.path), request_id)
-        name, _ = function_name(segment)  # a name, "name:qualifier", or an ARN
-        fn = em.functions.get(name)
-        if fn is None:
-            em._count("not_found")
-            return self._error(404, "ResourceNotFoundException",
-                               f"Function not found: {em.arn(name)}", request_id)
-        itype = self.headers.get("X-Amz-Invocation-Type", "RequestResponse")
-        if itype not in ("RequestResponse", "Event", "DryRun"):
-            em._count("bad_request")
-            return self._error(400, "InvalidParameterValueException",
-                               f"invalid invocation type {itype}", request_id)
-        limit = em.async_payload_limit if itype == "Event" else em.sync_payload_limit
-        if len(payload) > limit:
-            em._count("too_large")
-            return self._error(413, "RequestTooLargeException",
-                               f"Request must be smaller than {limit} bytes for the "
-                               f"InvokeFunction operation", request_id)
-        if itype == "DryRun":
-            em._count("dry_run")
-            return self._reply(204, b"", {"x-amzn-RequestId": request_id})
-        try:
-            json.loads(payload or b"{}")
-        except ValueError:
-            em._count("bad_request")
-            return self._error(400, "InvalidRequestContentException",
-                               "Could not parse request body into json", request_id)
-        payload = payload or b"{}"
-        if itype == "Event":
-            em._count("event")
-            em.run_event(fn, payload, request_id)
-            return self._reply(202, b"", {"x-amzn-RequestId": request_id})
-        fault = em.draw_fault() if em.faults else None
-        if fault == "throttle":
-            return self._error(429, "TooManyRequestsException", "Rate Exceeded.", request_id,
-                               {"Reason": "ConcurrentInvocationLimitExceeded"},
-                               {"Retry-After": "1"})
-        if fault == "error_5xx":
-            return self._error(500, "ServiceException", "Internal error (injected).",
-                               request_id)
-        if fault in ("function_error", "timeout"):
-            message, error_type = "injected function error", "InjectedFault"
-            if fault == "timeout":  # the function ran past its Timeout: Lambda's answer
-                seconds = float(em.faults.get("timeout_s", 0.0))
-                time.sleep(seconds)
-                message = f"{request_id} Task timed out after {seconds:.2f} seconds"
-                error_type = "Sandbox.Timedout"
-            body = json.dumps({"errorMessage": message, "errorType": error_type,
-                               "requestId": request_id, "stackTrace": []})
-            return self._reply(200, body.encode(), {
-                "x-amzn-RequestId": request_id, "X-Amz-Function-Error": "Unhandled"})
-        if not fn.slots.acquire(blocking=False):
-            em._count("throttles")
-            return self._error(429, "TooManyRequestsException", "Rate Exceeded.", request_id,
-                               {"Reason": "ReservedFunctionConcurrentInvocationLimitExceeded"},
-                               {"Retry-After": "1"})
-        try:
-            body, error, log = em.run(fn, payload, request_id)
-        finally:
-            fn.slots.release()
-        headers = {"x-amzn-RequestId": request_id, "X-Amz-Executed-Version": "$LATEST"}
-        if error:
-            headers["X-Amz-Function-Error"] = error
-        if self.headers.get("X-Amz-Log-Type") == "Tail":
-            headers["X-Amz-Log-Result"] = base64.b64encode(
-                log.encode()[-LOG_TAIL_BYTES:]).decode()
-        self._reply(200, body, headers)
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    if argv is None and sys.argv[1:] == ["--sandbox"]:
-        return _sandbox_main()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--template", default=None, help="SAM template (default: the project's)")
     p.add_argument("--host", default="127.0.0.1")

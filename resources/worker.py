@@ -137,7 +137,8 @@ class RollArcWorkerPlugin(WorkerPlugin):
                                             hparams=TrainerHParams(**self.hparams),
                                             seed=self.seed, loss=loss)
                 if self.emulation:
-                    from resources.emulated import DeviceEmulation, EmulatedTrainer, device_of
+                    from resources.emulated import DeviceEmulation, device_of
+                    from resources.emulated_trainer import EmulatedTrainer
 
                     device = device_of(self.hardware, self.trainer_gpus or self.gpus,
                                        DeviceEmulation(**self.emulation["device"]))
@@ -155,7 +156,7 @@ class RollArcWorkerPlugin(WorkerPlugin):
                                              self.reward_functions)
                 judge = self.reward_cfg.get("judge")
                 if judge:  # a model-based reward's GPU time, emulated
-                    from resources.emulated import JudgedRewardClient, JudgeEmulation
+                    from resources.emulated_judge import JudgedRewardClient, JudgeEmulation
 
                     j = JudgeEmulation(**judge)
                     device = DeviceModel(model_spec(j.model),

@@ -14,7 +14,8 @@ from flows.config.choices import RewardBackend
 from flows.config.fields import ComponentSpec, RewardFn, Section, component_spec
 from flows.training.turn_placement import Dispatch
 from flows.training.workload import TurnShapeConfig
-from resources.emulated import DeviceEmulation, JudgeEmulation
+from resources.emulated import DeviceEmulation
+from resources.emulated_judge import JudgeEmulation
 from tasks.components import COMPONENT
 from tasks.envs.base import EVAL_SEED_OFFSET
 from tasks.specs import TrainerHParams

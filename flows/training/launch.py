@@ -73,7 +73,7 @@ def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:
     """backend=lambda with the emulation: check the template has the functions the run calls
     and start it. backend=lambda: check every function answers a DryRun through the very
     client the workers use (fail fast, not mid-run). Raises ConfigError or RewardServiceError."""
-    from resources.lambda_build import check_template_functions
+    from resources.lambda_template import check_template_functions
     from resources.reward_backends import build_reward_client
 
     if cfg.reward.backend != RewardBackend.LAMBDA:

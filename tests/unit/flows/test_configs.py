@@ -12,7 +12,7 @@ from flows import simulate
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
 from flows.config.derived import effective_pools, lambda_function_of
 from flows.training.launch import start_reward_service
-from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
+from resources.lambda_template import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.components import accepts, describe, instantiate, resolve
 from tests import ROOT
 

@@ -14,7 +14,7 @@ from flows.reference import run_reference
 from flows.training.workload import LengthDist, TurnShapeConfig, turn_shape
 from resources.catalog import CATALOG
 from resources.device_model import DeviceModel, ModelSpec, model_spec
-from resources.emulated import EmulatedEngine
+from resources.emulated_engine import EmulatedEngine
 
 H800, H20 = CATALOG["H800"], CATALOG["H20"]
 
@@ -151,7 +151,7 @@ def test_a_reward_model_queues_on_a_dedicated_pool_and_scales_out_serverless():
     """Eight concurrent scoring calls of 20k tokens each: on the dedicated engine they share one
     H800 (its busy time is the sum of their prefills); serverless, each call has an instance of
     its own, so they overlap and are billed per use."""
-    from resources.emulated import JudgedRewardClient
+    from resources.emulated_judge import JudgedRewardClient
     from resources.reward_client import LocalRewardClient
     from tasks.records import ScoreRequest
 

@@ -17,19 +17,21 @@ import yaml
 from resources import lambda_build
 from resources.lambda_build import (
     DEFAULT_OUT,
-    DEFAULT_TEMPLATE,
     PROJECT_ROOT,
     RULE_DIR_NAME,
     RULE_FUNCTION_FILES,
     RULE_ZIP_NAME,
     ArtefactTooLargeError,
     build_rule_function,
+    main,
+    pip_install_command,
+)
+from resources.lambda_template import (
+    DEFAULT_TEMPLATE,
     check_template_functions,
     function_specs,
     load_sam_template,
-    main,
     parse_sam_template,
-    pip_install_command,
 )
 
 HANDLER = "resources.lambda_handler.lambda_handler"

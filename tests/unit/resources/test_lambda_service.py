@@ -12,9 +12,9 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from resources.lambda_client import LambdaRewardClient
 from resources.lambda_emulator import FunctionSpec, LambdaEmulator
+from resources.lambda_template import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.records import ScoreRequest
 
 RULE = FunctionSpec("rollarc-reward", "resources.lambda_handler.lambda_handler", 30, 1024,

@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from resources.lambda_build import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from resources.lambda_client import LambdaRewardClient
 from resources.lambda_emulator import FunctionSpec, LambdaEmulator
+from resources.lambda_template import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.envs.hc_pinn import HCPinnDesign, reference
 from tasks.hc_pinn.boundary import COMMON, boundary_function, grammar
 from tasks.hc_pinn.grammar import BoundarySpec, parse_spec
