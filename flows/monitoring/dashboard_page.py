@@ -1,5 +1,6 @@
 """The RollArc page of the Dask dashboard (``/individual-rollarc``): a Bokeh document in the
-scheduler's dashboard server, redrawn every second from the monitor's records (:class:`flows.monitoring.monitor.RunRecords`).
+scheduler's dashboard server, redrawn every second from the monitor's records
+(:class:`flows.monitoring.records.RunRecords`).
 
 Top: reward and per-env-task success against step and against wall time, evaluation rounds as
 markers. Then the staleness histogram of trained trajectories, trajectories by state (trained,

@@ -16,7 +16,9 @@ from distributed import Client, LocalCluster
 from flows.api import RunStatus, Session, swap
 from flows.config import ConfigError, load_config
 from flows.monitoring.metrics import check_sinks, read_metrics
-from flows.monitoring.monitor import DATA_PATH, PAGE, install_monitor, metric_name, page_url
+from flows.monitoring.monitor import install_monitor, page_url
+from flows.monitoring.prometheus import metric_name
+from flows.monitoring.scheduler_plugin import DATA_PATH, PAGE
 from flows.training.lifecycle import DropReason
 from tests import ROOT, SMALL
 
