@@ -37,7 +37,7 @@ def live_figures(run: TrainingRun) -> dict:
 
 class RunSummary(TypedDict, total=False):
     """A run's account at its end, as ``summary.json`` holds it (the ``status`` of how it ended
-    is added by :func:`flows.api.run_training`)."""
+    is added by :class:`flows.training.session_run.Run` as it ends)."""
     final_metrics: dict  # the last train step's metrics row
     policy_version: int
     trajectories: dict  # started, finished, trained, dropped (by reason), truncated

@@ -125,10 +125,10 @@ class TrainingRun:
     def ledger(self) -> TrajectoryLedger:
         return self.core.ledger
 
-    @property
-    def batch_callbacks(self) -> list[Callable[[int, list[Trajectory]], None]]:
-        """Called with (the version a step will publish, its trajectories) as a batch is cut."""
-        return self.steps.batch_callbacks
+    def on_batch(self, callback: Callable[[int, list[Trajectory]], None]) -> None:
+        """Call ``callback(version, trajectories)`` as each batch is cut (``version``: the one
+        its step will publish)."""
+        self.steps.batch_callbacks.append(callback)
 
     def rollout_slots(self) -> int:
         """Slots of the smallest rollout pool (a rolling-out trajectory holds at most one task of
@@ -233,6 +233,11 @@ class TrainingRun:
             return
         self._live_sent = now
         self.publish_live(report.live_figures(self))
+
+    def release(self) -> None:
+        """The run is over: stop watching the clusters' workers (the next run watches afresh)."""
+        self.membership.close()
+        self.shards.close()
 
     def save(self) -> str:
         return self.trainer.save(str(self.run_dir.resolve()), self.version)

@@ -116,7 +116,7 @@ class Run:
     def on_batch(self, callback: Callable[[int, list[Trajectory]], None]) -> None:
         """Call ``callback(step, trajectories)`` with every train batch as it is cut (``step``:
         the policy version its train step will publish)."""
-        self._run.batch_callbacks.append(callback)
+        self._run.on_batch(callback)
 
     def accounts(self) -> dict:
         """The trajectory accounts so far: started, finished, trained, dropped by reason, in
@@ -257,8 +257,7 @@ class Run:
             announce(client, "run-end", run=self._run.run_id, status=str(self.status))
         self.sink.close()
         if hasattr(self, "_run"):
-            self._run.membership.close()  # the next run subscribes afresh
-            self._run.shards.close()
+            self._run.release()
         if self._own_service is not None:
             self._own_service.stop()
             self._own_service = None
