@@ -244,7 +244,7 @@ def test_the_flow_and_the_simulator_take_their_decisions_from_one_run_core(tmp_p
                                                                            monkeypatch):
     """Replacing one decision of the run core (how many groups a batch takes) changes the Dask
     flow and the simulator alike: neither keeps a copy of it."""
-    from flows import simulate
+    from flows.simulation.settings import load as load_simulation
     from flows.simulation.simulator import simulate as run_sim
     from flows.training import core
 
@@ -256,7 +256,7 @@ def test_the_flow_and_the_simulator_take_their_decisions_from_one_run_core(tmp_p
                                         "trainer.groups_per_step=2", "cluster.processes=false"]),
                  tmp_path / "run", dashboard=lambda line: None)
     assert [r["rollout/batch_trajectories"] for r in read_metrics(tmp_path / "run")] == [8, 8]
-    cfg, sim = simulate.load(ROOT / "config" / "bench" / "long_tail.yaml",
-                             ["trainer.max_steps=3"])  # 4 groups of 8 a step, unpatched
+    cfg, sim = load_simulation(ROOT / "config" / "bench" / "long_tail.yaml",
+                               ["trainer.max_steps=3"])  # 4 groups of 8 a step, unpatched
     result = run_sim(cfg, sim)
     assert result.steps == 3 and result.trajectories["trained"] == 3 * 8

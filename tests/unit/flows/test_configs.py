@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from flows import simulate
 from flows.config import ConfigError, load_config, resolved_yaml, reward_callables, validate
 from flows.config.derived import effective_pools, lambda_function_of
+from flows.simulation.settings import load as load_simulation
 from flows.training.launch import start_reward_service
 from resources.lambda_template import DEFAULT_TEMPLATE, function_specs, load_sam_template
 from tasks.components import accepts, describe, instantiate, resolve
@@ -26,7 +26,7 @@ FUNCTIONS = function_specs(load_sam_template(DEFAULT_TEMPLATE))
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_and_components_resolve(path):
     # config/scale/ holds clusters for flows/simulate.py: a run's config plus `simulate:`
-    cfg = simulate.load(path)[0] if path.parent.name == "scale" else load_config(path)
+    cfg = load_simulation(path)[0] if path.parent.name == "scale" else load_config(path)
     for task in cfg.env_tasks:
         # remote-latency environments of the bench workloads wait a thousandth of their latency
         scaled = {"time_scale": 1e-3} if accepts(resolve(task.env["_component_"]),

@@ -1,5 +1,5 @@
-"""The simulator (flows/simulation/simulator.py, flows/simulate.py): deterministic, driven by the flow's
-own decision functions, engines on the device model, and its command line."""
+"""The simulator (flows/simulation/, flows/simulate.py): deterministic, driven by the flow's own
+decision functions, engines on the device model, and its command line."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
-from flows import simulate
+from flows.config import ConfigError, with_overrides
 from flows.config.derived import lambda_function_of
-from flows.simulation.simulator import SimSettings, TurnCount
+from flows.simulation import settings, systems
+from flows.simulation.settings import SimSettings, TurnCount
 from flows.simulation.simulator import simulate as run_sim
+from flows.simulation.validation import validate
 from flows.training import core
 from resources.catalog import get_profile
 from resources.device_model import DeviceModel, model_spec
@@ -23,7 +25,7 @@ LONG_TAIL = ROOT / "config" / "bench" / "long_tail.yaml"
 
 
 def _cfg(*overrides):
-    return simulate.load(LONG_TAIL, ["trainer.max_steps=3", *overrides])
+    return settings.load(LONG_TAIL, ["trainer.max_steps=3", *overrides])
 
 
 def test_the_simulation_is_deterministic_for_a_seed():
@@ -58,7 +60,7 @@ def test_it_calls_the_flows_admission_room(monkeypatch):
 def test_sync_cuts_at_the_barrier_and_async_overlaps_training():
     cfg, sim = _cfg()
     a = run_sim(cfg, sim)
-    s = run_sim(simulate.with_overrides(cfg, ["mode=sync"]), sim)
+    s = run_sim(with_overrides(cfg, ["mode=sync"]), sim)
     assert s.staleness_mean == 0 and a.staleness_mean > 0
     assert s.step_s > a.step_s
     assert sum(s.trajectories["dropped"].values()) == 0
@@ -123,10 +125,10 @@ def test_shards_split_the_scheduler_load():
 
 def test_scaled_configs_grow_pools_and_batch():
     cfg, _ = _cfg()
-    big = simulate.with_overrides(cfg, simulate.scaled(cfg, 1024))
-    assert 900 <= simulate.gpus_of(big) <= 1100
+    big = with_overrides(cfg, systems.scaled(cfg, 1024))
+    assert 900 <= systems.gpus_of(big) <= 1100
     assert big.trainer.groups_per_step > cfg.trainer.groups_per_step
-    workers, gpus = simulate.monolithic_shape(big)
+    workers, gpus = systems.monolithic_shape(big)
     assert gpus == max(p.gpus for p in big.cluster.pools if p.role.value == "inference")
 
 
@@ -144,8 +146,8 @@ def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
                           "simulate.shardz=2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "simulate.shardz" in bad.stderr
-    with pytest.raises(simulate.ConfigError, match="simulate.turns.chess"):
-        simulate.load(LONG_TAIL, ["simulate.turns.chess={mean: 3}"])
+    with pytest.raises(ConfigError, match="simulate.turns.chess"):
+        settings.load(LONG_TAIL, ["simulate.turns.chess={mean: 3}"])
 
 
 @pytest.mark.long
@@ -159,7 +161,7 @@ def test_the_simulation_follows_an_emulated_bench_run(tmp_path):
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows, records = simulate.validate(out, tmp_path / "validation")
+    rows, records = validate(out, tmp_path / "validation")
     assert {rec["system"] for rec in records} == {"rollarc", "sync-disaggregated"}
     for rec in records:
         assert abs(rec["step_error"]) < 0.25, rec
@@ -180,8 +182,8 @@ def test_environment_failures_restart_or_drop_and_every_trajectory_is_counted():
 def test_lambda_concurrency_throttles_and_cold_starts():
     free = run_sim(*_cfg("simulate.lambda_concurrency=1000"))
     tight = run_sim(*_cfg("simulate.lambda_concurrency=1"))
-    functions = len({lambda_function_of(simulate.load(LONG_TAIL)[0].reward, t)
-                     for t in simulate.load(LONG_TAIL)[0].env_tasks})
+    functions = len({lambda_function_of(settings.load(LONG_TAIL)[0].reward, t)
+                     for t in settings.load(LONG_TAIL)[0].env_tasks})
     assert free.reward.get("throttles", 0) == 0 < tight.reward["throttles"]
     assert tight.reward["cold_starts"] == functions  # one instance per function, kept warm
     assert free.reward["cold_starts"] >= tight.reward["cold_starts"]
