@@ -128,8 +128,8 @@ def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
                                "workers": workers}
             pools = yaml.safe_dump([pool, *others], default_flow_style=True, width=10**6)
             out.append(System(f"{profile}-only", "affinity", [f"cluster.pools={pools.strip()}"]))
-        if cfg.rollout.dispatch != "split":
-            out.append(System("per-request split", "affinity", ["rollout.dispatch=split"]))
+        if cfg.rollout.turn_placement != "split":
+            out.append(System("per-request split", "affinity", ["rollout.turn_placement=split"]))
     if "environment" in sections:
         for spread in ENV_SPREADS:
             latency = env_spread(cfg, spread)

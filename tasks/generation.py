@@ -84,7 +84,7 @@ def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokeniz
               seed: int) -> DecodeOutput:
     """Sample the turn's response starting from prefill's logits.
 
-    The cache grows on this worker: ``cache.kv`` (already here when the router keeps a
+    The cache grows on this worker: ``cache.kv`` (already here when turn placement keeps a
     trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'.
     """
     parts = [cache.kv] if cache is not None else []

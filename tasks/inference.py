@@ -4,7 +4,7 @@ A backend lives on an inference worker (one per worker process, built by
 :class:`resources.worker.RollArcWorkerPlugin` from ``engine.backend``, a ``_component_`` called
 as ``backend(policy=PolicySpec, max_batch=int)``). The flows never look inside what it returns:
 a trajectory's cache is an *opaque handle* that the flows only pass from one turn's tasks to the
-next, as a Dask future, so it moves worker to worker when the router puts prefill and decode on
+next, as a Dask future, so it moves worker to worker when turn placement puts prefill and decode on
 different pools.
 
 One turn is two calls, each its own Dask task on its own pool::
@@ -53,7 +53,7 @@ kv_role="kv_both")``, prefix caching on, and a worker extension for weight loadi
   ``SamplingParams(temperature, max_tokens, seed, logprobs=0, stop_token_ids,
   logprobs_mode="processed_logprobs", extra_args={"kv_transfer_params": prefilled's})``; the
   decode engine pulls the KV blocks, continues, and keeps them in its prefix cache for the next
-  turn (the router keeps a trajectory's decodes on one worker). The new cache handle is the
+  turn (turn placement keeps a trajectory's decodes on one worker). The new cache handle is the
   token ids plus the worker that holds the blocks; ``oldest_version`` comes from the
   ``weight_version`` of both engines.
 - ``load_weights(snapshot)``: vLLM's weight-transfer API (``update_weights``) or

@@ -85,7 +85,7 @@ class ClusterConfig(Section):
     shards: int = Field(default=1, ge=1, description="Rollout shards: local Dask clusters, "
                         "each with its own scheduler and its own copy of the inference and "
                         "environment pools, over which whole groups are spread (1: one "
-                        "cluster; the trainer and reward dispatch stay on the first)")
+                        "cluster; the trainer and reward bursts stay on the first)")
     adaptive_env: AdaptiveEnvConfig = Field(default_factory=AdaptiveEnvConfig)
     pool_empty_timeout_s: float = Field(
         default=300, gt=0, description="A pool (resource tag) left without any worker this long "

@@ -12,7 +12,7 @@ from pydantic import BeforeValidator, Field, field_validator
 
 from flows.config.choices import RewardBackend
 from flows.config.fields import ComponentSpec, RewardFn, Section, component_spec
-from flows.training.turn_placement import Dispatch
+from flows.training.turn_placement import TurnPlacement
 from flows.training.workload import TurnShapeConfig
 from resources.emulated import DeviceEmulation
 from resources.emulated_judge import JudgeEmulation
@@ -82,8 +82,8 @@ class RolloutConfig(Section):
         default=False, description="A cohort holds one env task, so every task's Dask span "
         "names its env task (exact time per env task in Fine Performance Metrics) at the cost "
         "of more, smaller tasks; false: a cohort mixing env tasks carries the span 'mixed'")
-    dispatch: Dispatch = Field(
-        default=Dispatch.SPLIT, description="split: every turn's prefill on the compute pool and "
+    turn_placement: TurnPlacement = Field(
+        default=TurnPlacement.SPLIT, description="split: every turn's prefill on the compute pool and "
         "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "
         "whichever the device model says finishes first for its expected response length")
     env_barrier: bool = Field(

@@ -1,4 +1,4 @@
-"""The simulated cluster: each worker's engine and resource slots, the router over them, the
+"""The simulated cluster: each worker's engine and resource slots, the pool workers over them, the
 trainer's and a reward model's devices, what the GPUs cost, and the control plane.
 
 Pools get their Dask resource tags from the affinity routing the embedded cluster uses
@@ -20,7 +20,7 @@ from flows.config.choices import Placement, RewardBackend
 from flows.config.derived import device_model, effective_pools, pool_hardware, trainer_gpus
 from flows.simulation.settings import SimSettings
 from flows.training import launch, orchestration
-from flows.training.turn_placement import Dispatch
+from flows.training.turn_placement import TurnPlacement
 from resources import emulated
 from resources.catalog import HardwareProfile, get_profile
 from resources.device_model import DeviceModel
@@ -29,7 +29,7 @@ from resources.sim_engine import Clock, Queue, SimEngine, Slots
 
 
 class SimCluster:
-    """The workers of ``cfg``'s pools on ``clock``: engines, slots, router, devices."""
+    """The workers of ``cfg``'s pools on ``clock``: engines, slots, pool_workers, devices."""
 
     def __init__(self, cfg: TrainConfig, clock: Clock):
         pools = effective_pools(cfg)
@@ -65,7 +65,7 @@ class SimCluster:
                     self.devices[w] = device
                     self.engines[w] = SimEngine(clock, w, device, dev.chunk_tokens,
                                                 dev.max_seqs, stragglers.get(p.name, 1.0))
-        self.router = orchestration.Router(by_tag)
+        self.pool_workers = orchestration.PoolWorkers(by_tag)
         self.env_slowdown = {w: stragglers.get(self.pool_of[w], 1.0)
                              for w in by_tag[str(Tag.CPU_ENV)]}
         train_pool = next(p for p in pools if p.role in (Role.TRAIN, Role.ALL))
@@ -82,9 +82,9 @@ class SimCluster:
             if cfg.reward.backend != RewardBackend.LAMBDA:  # one dedicated engine every call shares
                 self.judge_engine = SimEngine(clock, "judge", self.judge_device,
                                               dev.chunk_tokens, dev.max_seqs)
-        # the device models place turns only with length-aware dispatch (as the flow's
+        # the device models place turns only with length-aware turn placement (as the flow's
         # flows.training.launch.worker_devices gives them)
-        self.turn_devices = None if cfg.rollout.dispatch is Dispatch.SPLIT else self.devices
+        self.turn_devices = None if cfg.rollout.turn_placement is TurnPlacement.SPLIT else self.devices
 
     def slots(self, tag: Tag) -> int:
         """Slots the workers advertising ``tag`` have in all (a cluster handle's count)."""

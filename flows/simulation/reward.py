@@ -15,6 +15,7 @@ from flows.config.derived import lambda_function_of
 from flows.simulation.cluster import ControlPlane, SimCluster
 from flows.simulation.settings import SimSettings
 from flows.training import lifecycle
+from flows.training.orchestration import score_bursts
 from resources.pools import Tag
 from resources.reward_client import chunk_size
 from resources.sim_engine import Clock
@@ -53,22 +54,17 @@ class RewardScoring:
         self._flush_due = False
         if not self.pending:
             return
-        by_function: dict[str, list] = {}
-        for traj in self.pending:
-            by_function.setdefault(self.lambda_function[traj.env_name], []).append(traj)
-        self.pending = []
+        pending, self.pending = self.pending, []
         r = self.cfg.reward
-        per_task = r.batch_max * r.concurrency
-        for function, trajs in by_function.items():
-            for i in range(0, len(trajs), per_task):
-                batch = trajs[i:i + per_task]
-                for traj in batch:
-                    self.ledger.transition(int(traj.traj_id), lifecycle.TrajState.SCORING)
-                self.control.tasks["score"] += 1
-                worker = self.cluster.router.choose(Tag.SERVERLESS)
-                wait = self.control.schedulers[0].delay()
-                self.clock.after(wait, self.cluster.worker_slots[(worker, Tag.SERVERLESS)].acquire,
-                                 self._score, worker, function, batch)
+        for function, batch in score_bursts(pending, self.lambda_function,
+                                            r.batch_max * r.concurrency):
+            for traj in batch:
+                self.ledger.transition(int(traj.traj_id), lifecycle.TrajState.SCORING)
+            self.control.tasks["score"] += 1
+            worker = self.cluster.pool_workers.choose(Tag.SERVERLESS)
+            wait = self.control.schedulers[0].delay()
+            self.clock.after(wait, self.cluster.worker_slots[(worker, Tag.SERVERLESS)].acquire,
+                             self._score, worker, function, batch)
 
     def _score(self, worker: str, function: str, batch: list[Trajectory]) -> None:
         """One score task: the burst in chunks as the reward client cuts them

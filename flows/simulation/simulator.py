@@ -3,7 +3,7 @@
 The **decisions** are not re-implemented. Admission, the mix draw, the batch cut, the group
 collector and staleness, and the end of the run are the run core's
 (:class:`flows.training.core.RunCore`, which :class:`flows.training.run.TrainingRun` carries out
-on Dask). The router (:class:`~flows.training.orchestration.Router`), per-turn placement
+on Dask). The choice of worker in a pool (:class:`~flows.training.orchestration.PoolWorkers`), per-turn placement
 (:func:`flows.training.turn_placement.place_turn`), the affinity routing of pools
 (:func:`flows.training.launch.pool_router`), the shard a group goes to
 (:func:`~flows.training.orchestration.pick_shard`), the smallest rollout pool

@@ -65,7 +65,7 @@ class TurnRunner:
         """Every ready turn out, in cohorts of trajectories that share their workers (as
         RolloutDriver.flush forms them): one set of tasks per cohort through the scheduler, one
         completion per cohort to the driver, when its last member has stepped."""
-        router = self.cluster.router
+        pool_workers = self.cluster.pool_workers
         open_cohorts: dict[tuple, dict] = {}
         size = self.cfg.rollout.cohort_max
         placed: dict[str, tuple] = {}  # simulate.group_placement: a group's plan this flush
@@ -80,13 +80,13 @@ class TurnRunner:
                 t.env_worker = t.env_worker or env_worker
             else:
                 if fresh:
-                    t.env_worker = router.choose(Tag.CPU_ENV)
+                    t.env_worker = pool_workers.choose(Tag.CPU_ENV)
                 plan = turn_placement.place_turn(
-                    router, self.cluster.turn_devices, t.decode_worker, t.kv_at, prompt,
+                    pool_workers, self.cluster.turn_devices, t.decode_worker, t.kv_at, prompt,
                     t.context, self.lengths.expected(t.env_task.name))
                 placed[t.group_id] = (t.env_worker, plan)
             for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
-                router.started(w)
+                pool_workers.started(w)
             key = (fresh, t.env_task.name if self.cfg.rollout.cohort_per_env_task else None,
                    t.env_worker, plan.prefill_worker, plan.decode_worker, t.shard)
             cohort = open_cohorts.get(key)
@@ -179,7 +179,7 @@ class TurnRunner:
             return  # the cohort's env_step returns when its last member has stepped
         for m in cohort["members"]:
             for w in {plan.decode_worker, plan.prefill_worker, m.env_worker}:
-                self.cluster.router.finished(w)
+                self.cluster.pool_workers.finished(w)
         # the completion reaches the driver through its queue
         self.clock.after(self.control.driver_of(t.shard).delay(), self.on_turn,
                          cohort["members"])

@@ -39,7 +39,7 @@ class EnvPoolScaler:
     ``env_seconds()`` is the run's running total of environment step seconds; ``workers()`` the
     pool's serving workers (address -> slots); ``holds(address)`` whether live trajectories
     still have environment instances on a worker; ``stop_routing(address)`` takes a worker out
-    of the router."""
+    of the pool_workers."""
 
     def __init__(self, cfg: AdaptiveEnvConfig, cluster: SpecCluster, pool: str,
                  env_seconds: Callable[[], float], workers: Callable[[], dict[str, float]],
@@ -136,14 +136,14 @@ def env_scaler_for(cfg, cluster, driver) -> EnvPoolScaler | None:
         return None
     env_tag = str(Tag.CPU_ENV)
     pool = cluster.worker_pool[cluster.workers_with(Tag.CPU_ENV)[0]]
-    router = driver.router
+    pool_workers = driver.pool_workers
 
     def names(address: str) -> str:
         return str(cluster.client.scheduler_info(n_workers=-1)["workers"][address]["name"])
 
     def workers() -> dict[str, float]:
-        return {w: cluster.worker_tags[w][env_tag] for w in router.workers_by_tag.get(env_tag, [])
+        return {w: cluster.worker_tags[w][env_tag] for w in pool_workers.workers_by_tag.get(env_tag, [])
                 if cluster.worker_pool.get(w) == pool}
 
     return EnvPoolScaler(c, cluster.cluster, pool, lambda: driver.turns.env_seconds, workers,
-                         driver.holds, router.remove, names)
+                         driver.holds, pool_workers.remove, names)

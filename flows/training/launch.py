@@ -19,7 +19,7 @@ from flows.config.derived import (
     trainer_gpus,
     trainer_hparams,
 )
-from flows.training.turn_placement import Dispatch
+from flows.training.turn_placement import TurnPlacement
 from resources.affinity import pool_tags, route
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle, connect, start_local_cluster
@@ -56,13 +56,13 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     """Connect to ``scheduler`` (routing the workers that advertise their hardware), or start
     the embedded local cluster of ``cfg``'s pools with the stages routed by the affinity cost
     model; TLS when ``cfg.cluster.tls`` is set."""
-    router = pool_router(cfg)
+    route_pools = pool_router(cfg)
     security = tls_security(cfg.cluster.tls)  # None: plain TCP
     if scheduler:
-        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=router,
+        return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=route_pools,
                        security=security)
     pools = effective_pools(cfg)
-    return start_local_cluster(pools, router(pools), cfg.cluster.dashboard_port,
+    return start_local_cluster(pools, route_pools(pools), cfg.cluster.dashboard_port,
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s,
                                host=cfg.cluster.host, security=security,
                                lost_worker_timeout_s=cfg.cluster.pool_empty_timeout_s,
@@ -115,9 +115,9 @@ def close_quietly(cluster: ClusterHandle) -> None:
 
 
 def worker_devices(cfg: TrainConfig, cluster: ClusterHandle) -> dict[str, DeviceModel] | None:
-    """``rollout.dispatch=length_aware``: each inference worker's engine of ``cluster`` as the
+    """``rollout.turn_placement=length_aware``: each inference worker's engine of ``cluster`` as the
     device model sees it (None: the split, also when a worker's pool is unknown)."""
-    if cfg.rollout.dispatch is Dispatch.SPLIT:
+    if cfg.rollout.turn_placement is TurnPlacement.SPLIT:
         return None
     hardware, model = pool_hardware(cfg), device_model(cfg)
     devices = {}

@@ -6,7 +6,7 @@
   batch is cut from whichever groups completed first; stale trajectories are dropped, counted;
 - :func:`staleness` — trainer version at the step that trains a trajectory minus its oldest
   token version;
-- :class:`Router` — which worker of a pool gets the next task (KV and environment affinity, then
+- :class:`PoolWorkers` — which worker of a pool gets the next task (KV and environment affinity, then
   least in-flight work);
 - :func:`pick_shard` — which rollout shard (``cluster.shards``) a new group goes to;
 - :func:`sample_env_task`, :func:`decode_seed` — the mix draw and the per-turn sampling seed.
@@ -194,8 +194,9 @@ class GroupCollector:
         return BatchDecision(samples, kept, stale, ages, orphaned)
 
 
-class Router:
-    """Chooses workers. Pure: the caller reports submissions and completions."""
+class PoolWorkers:
+    """The workers of each pool (by resource tag) and their tasks in flight: chooses the worker
+    that gets the next task. Pure: the caller reports submissions and completions."""
 
     def __init__(self, workers_by_tag: dict[str, list[str]]):
         self.workers_by_tag = {k: list(v) for k, v in workers_by_tag.items()}
@@ -317,3 +318,15 @@ def min_max_staleness(window_batches: int) -> int:
     trainer is at v may be trained up to ``window_batches`` steps later, and its first turn may
     still run on v - 1 weights while v is being loaded (one step of sync lag)."""
     return window_batches + 1
+
+
+def score_bursts(trajectories: list[Trajectory], function_of: dict[str, str],
+                 per_task: int) -> list[tuple[str, list[Trajectory]]]:
+    """The score tasks that finished trajectories make: grouped by their reward function
+    (``function_of`` an env task's), in the order they finished, cut at ``per_task``
+    (``reward.batch_max`` x ``reward.concurrency``: what one task's client sends at once)."""
+    by_function: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_function.setdefault(function_of[t.env_name], []).append(t)
+    return [(function, trajs[i:i + per_task]) for function, trajs in by_function.items()
+            for i in range(0, len(trajs), per_task)]

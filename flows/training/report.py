@@ -21,7 +21,7 @@ IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITIN
 def live_figures(run: TrainingRun) -> dict:
     """What the dashboard page shows besides the metric rows."""
     pools: Counter[str] = Counter()
-    for w, n in run.driver.router.load.items():
+    for w, n in run.driver.pool_workers.load.items():
         pools[run.cluster.worker_pool.get(w, w)] += max(n, 0)
     ledger = run.core.ledger
     accounts = ledger.summary()

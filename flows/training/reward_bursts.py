@@ -1,4 +1,4 @@
-"""Reward dispatch: finished trajectories go to their reward function in bursts, on the
+"""Reward bursts: finished trajectories go to their reward function in bursts, on the
 SERVERLESS pool, and come back scored or dropped with the reason.
 
 One ``score`` task per Lambda function and burst; the reward client on that worker packs the
@@ -9,7 +9,7 @@ forever: a streak of failures longer than a few batches ends the run loudly.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +20,7 @@ from flows.config.derived import lambda_function_of, reward_name
 from flows.monitoring.monitor import StageSpans
 from flows.training.episode import score_requests
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
-from flows.training.orchestration import Router
+from flows.training.orchestration import PoolWorkers, score_bursts
 from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_reward_client
 from tasks.records import InvocationRecord, ScoreBatch, Trajectory
@@ -80,11 +80,11 @@ class ScoreOutcome:
     dropped: list[Trajectory]  # dropped with their reason (their groups lost a member)
 
 
-class RewardDispatcher:
-    def __init__(self, client: Client, cfg: TrainConfig, router: Router,
+class RewardBursts:
+    def __init__(self, client: Client, cfg: TrainConfig, pool_workers: PoolWorkers,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str, batch_trajectories: int,
                  spans: StageSpans | None = None, key_tag: str = ""):
-        self.client, self.router, self.ledger, self.stages = client, router, ledger, stages
+        self.client, self.pool_workers, self.ledger, self.stages = client, pool_workers, ledger, stages
         self.key_tag = key_tag  # ends every key (see RolloutDriver)
         self.run_id = run_id
         self.spans = spans or StageSpans(run_id)
@@ -107,28 +107,23 @@ class RewardDispatcher:
 
     def flush(self) -> list[Future]:
         """Submit the waiting trajectories: one score task per function and burst."""
-        by_function: dict[str, list[Trajectory]] = defaultdict(list)
-        for t in self._pending:
-            by_function[self.lambda_function[t.env_name]].append(t)
-        self._pending = []
+        pending, self._pending = self._pending, []
         futures = []
-        for function, trajs in by_function.items():
-            for i in range(0, len(trajs), self.score_task_max):
-                batch = trajs[i: i + self.score_task_max]
-                if not self.router.has(str(Tag.SERVERLESS)):  # waits for a worker to join
-                    self._pending.extend(batch)
-                    continue
-                worker = self.router.choose(Tag.SERVERLESS)
-                with self.spans("reward", function):
-                    fut = submit_on(
-                        self.client, worker, Stage.SCORE, with_reward_client, self.stages.score,
-                        function, score_requests(batch, self.reward_fns, self.run_id),
-                        key=f"{Stage.SCORE}-{self.score_tasks}{self.key_tag}")
-                self.score_tasks += 1
-                self._scoring[fut.key] = (batch, worker, fut)
-                for t in batch:
-                    self.ledger.transition(int(t.traj_id), TrajState.SCORING)
-                futures.append(fut)
+        for function, batch in score_bursts(pending, self.lambda_function, self.score_task_max):
+            if not self.pool_workers.has(str(Tag.SERVERLESS)):  # waits for a worker to join
+                self._pending.extend(batch)
+                continue
+            worker = self.pool_workers.choose(Tag.SERVERLESS)
+            with self.spans("reward", function):
+                fut = submit_on(
+                    self.client, worker, Stage.SCORE, with_reward_client, self.stages.score,
+                    function, score_requests(batch, self.reward_fns, self.run_id),
+                    key=f"{Stage.SCORE}-{self.score_tasks}{self.key_tag}")
+            self.score_tasks += 1
+            self._scoring[fut.key] = (batch, worker, fut)
+            for t in batch:
+                self.ledger.transition(int(t.traj_id), TrajState.SCORING)
+            futures.append(fut)
         return futures
 
     def on_scored(self, fut: Future, result: ScoreBatch | None) -> ScoreOutcome:

@@ -30,7 +30,7 @@ from flows.config.derived import batch_trajectories, with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.training.episode import RolloutRecord, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
-from flows.training.orchestration import Router
+from flows.training.orchestration import PoolWorkers
 from flows.training.turn_placement import ResponseLengths, TurnPlan, place_turn
 from flows.training.turn_tasks import Cohort, CohortKey, TurnLog, TurnTasks
 from flows.training.workload import turn_shape
@@ -66,15 +66,15 @@ class RolloutDriver:
     every ready turn, in cohorts, and returns the futures to wait on; ``on_turn`` takes a
     cohort's results (or its failure) back."""
 
-    def __init__(self, client: Client, cfg: TrainConfig, router: Router,
+    def __init__(self, client: Client, cfg: TrainConfig, pool_workers: PoolWorkers,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
                  devices: dict[str, DeviceModel] | None = None,
                  spans: StageSpans | None = None, key_tag: str = "",
                  env_specs: dict[str, dict] | None = None):
-        self.client, self.cfg, self.router, self.ledger = client, cfg, router, ledger
+        self.client, self.cfg, self.pool_workers, self.ledger = client, cfg, pool_workers, ledger
         # ends every key: runs sharing a cluster never share a key (nor an old key's result)
         self.key_tag = key_tag
-        # rollout.dispatch=length_aware: each inference worker's device model (None: split)
+        # rollout.turn_placement=length_aware: each inference worker's device model (None: split)
         self.devices = devices
         self.lengths = ResponseLengths()
         self.stages, self.run_id = stages, run_id
@@ -178,7 +178,7 @@ class RolloutDriver:
         """Every pool the turn needs has a worker (else it waits for one to join)."""
         need = [Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH] + ([Tag.CPU_ENV] if rec.handle is None
                                                        else [])
-        return all(self.router.has(str(t)) for t in need)
+        return all(self.pool_workers.has(str(t)) for t in need)
 
     def flush(self) -> list[Future]:
         """Submit every ready turn, as cohorts of trajectories that share their workers; the
@@ -190,7 +190,7 @@ class RolloutDriver:
                 self._ready.append(rec)
                 continue
             if rec.handle is None:  # a fresh environment, on the least-loaded CPU worker
-                rec.env_worker = self.router.choose(Tag.CPU_ENV)
+                rec.env_worker = self.pool_workers.choose(Tag.CPU_ENV)
                 rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}."
                                                        f"{rec.attempt}")
             shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
@@ -199,7 +199,7 @@ class RolloutDriver:
             plan = self._plan(rec, rec.next_obs, shape)
             rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
             for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-                self.router.started(w)
+                self.pool_workers.started(w)
             env_task = rec.env_task.name if self.cfg.rollout.cohort_per_env_task else None
             key = CohortKey(rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
                             plan.prefill_tag, plan.decode_worker, plan.decode_tag)
@@ -274,13 +274,13 @@ class RolloutDriver:
         else:
             prompt = 0  # the reset's prompt is not known here; the first turn splits
         context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
-        return place_turn(self.router, self.devices, rec.decode_worker,
+        return place_turn(self.pool_workers, self.devices, rec.decode_worker,
                           rec.decode_worker if rec.last_decode is not None else None, prompt,
                           context, self.lengths.expected(rec.env_task.name) if prompt else None)
 
     def _release(self, rec: RolloutRecord) -> None:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-            self.router.finished(w)
+            self.pool_workers.finished(w)
 
     # -- completion -------------------------------------------------------------------------
     def on_turn(self, fut: Future, results: list | None) -> TurnOutcome:

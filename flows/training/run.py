@@ -37,8 +37,8 @@ from flows.training.launch import (
     worker_plugin,
 )
 from flows.training.lifecycle import DropReason, TrajectoryLedger, Transition
-from flows.training.orchestration import Router
-from flows.training.reward_bursts import RewardDispatcher
+from flows.training.orchestration import PoolWorkers
+from flows.training.reward_bursts import RewardBursts
 from flows.training.rollout import RolloutDriver, TurnOutcome
 from flows.training.shards import RolloutShards
 from flows.training.train_steps import TrainSteps
@@ -82,12 +82,12 @@ class TrainingRun:
         self.client, self.run_id = cluster.client, run_dir.name
         self.core = RunCore(cfg, TrajectoryLedger(on_transition))
         ledger = self.core.ledger
-        router = Router({str(t): cluster.workers_with(t) for t in Tag})
+        pool_workers = PoolWorkers({str(t): cluster.workers_with(t) for t in Tag})
         self.events = EventLoop(self.client)
         self.abandoned = Abandoned(ABANDON_GRACE_S)
         self.spans = StageSpans(self.run_id)  # Fine Performance Metrics by env task and stage
         key_tag = f"@{uuid.uuid4().hex[:6]}"  # ends every key: runs on one cluster never share
-        self.driver = RolloutDriver(self.client, cfg, router, ledger, self.stages, self.run_id,
+        self.driver = RolloutDriver(self.client, cfg, pool_workers, ledger, self.stages, self.run_id,
                                     devices=worker_devices(cfg, cluster), spans=self.spans,
                                     key_tag=key_tag)
         # shard 0 (this driver, this loop) and the further shards of cluster.shards, if any
@@ -96,7 +96,7 @@ class TrainingRun:
                                     lambda c: worker_devices(cfg, c), self.spans)
         self.drivers = self.shards.drivers
         self.core.pool_slots = self.rollout_slots()
-        self.rewards = RewardDispatcher(self.client, cfg, router, ledger, self.stages,
+        self.rewards = RewardBursts(self.client, cfg, pool_workers, ledger, self.stages,
                                         self.run_id, self.core.batch_trajectories,
                                         spans=self.spans, key_tag=key_tag)
         self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans, key_tag)

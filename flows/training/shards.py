@@ -3,15 +3,15 @@
 One scheduler caps how many tasks per second the rollout can generate (each task costs about a
 millisecond of scheduler time, whatever it computes). With ``cluster.shards: N`` the run has N
 local clusters, each with its own scheduler. Shard 0 is the run's cluster as without shards
-(every pool: inference, environments, trainer, reward dispatch); each further shard holds its
+(every pool: inference, environments, trainer, reward bursts); each further shard holds its
 own copy of the rollout pools only (the inference pools and the environment pool, tagged by
 the same affinity routing, with the same worker plugin). One driver process spreads whole
 groups over the shards (:func:`flows.training.orchestration.pick_shard`: the most free room).
 
 - one of each, in the driver: the trajectory ledger, the group draw and collector, reward
-  dispatch (shard 0's SERVERLESS pool), the trainer (shard 0), admission control (its pool
+  bursts (shard 0's SERVERLESS pool), the trainer (shard 0), admission control (its pool
   slots are the sum over shards; the ledger counts every shard's trajectories);
-- per shard: a client, a :class:`~flows.training.orchestration.Router`, a
+- per shard: a client, a :class:`~flows.training.orchestration.PoolWorkers`, a
   :class:`~flows.training.rollout.RolloutDriver` (trajectory ids all taken from shard 0's, task keys
   tagged with the shard) and an :class:`~flows.training.events.EventLoop`; the loops share one wake-up
   condition, so the driver waits on all of them at once;
@@ -44,7 +44,7 @@ from flows.config.derived import effective_pools, tls_security
 from flows.monitoring.monitor import StageSpans
 from flows.training.events import Event, EventLoop, FutureKind, next_batch_of
 from flows.training.lifecycle import TrajectoryLedger
-from flows.training.orchestration import Router, pick_shard
+from flows.training.orchestration import PoolWorkers, pick_shard
 from flows.training.rollout import RolloutDriver
 from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
@@ -144,9 +144,9 @@ class RolloutShards:
             for tag in ROLLOUT_TAGS:
                 if not cluster.workers_with(tag):
                     raise RuntimeError(f"rollout shard {k}: no worker advertises {tag}")
-            router = Router({str(t): cluster.workers_with(t) for t in ROLLOUT_TAGS})
+            pool_workers = PoolWorkers({str(t): cluster.workers_with(t) for t in ROLLOUT_TAGS})
             # one table of environments for every shard: Run.update_env reaches them all
-            driver = RolloutDriver(cluster.client, cfg, router, ledger, stages, run_id,
+            driver = RolloutDriver(cluster.client, cfg, pool_workers, ledger, stages, run_id,
                                    devices=devices_of(cluster), spans=spans,
                                    key_tag=f"{key_tag}.s{k}", env_specs=primary.env_specs)
             compute = set(cluster.workers_with(Tag.GPU_COMPUTE))
@@ -187,7 +187,7 @@ class RolloutShards:
     def start_group(self, group_id: str, env_task: EnvTaskConfig, seed: int) -> int:
         """Start a whole group on the shard with the most free room; that shard's index."""
         # a shard missing a rollout pool has no room: its turns would wait for a worker
-        slots = [rollout_slots(c) if all(d.router.has(str(t)) for t in ROLLOUT_TAGS) else 0
+        slots = [rollout_slots(c) if all(d.pool_workers.has(str(t)) for t in ROLLOUT_TAGS) else 0
                  for c, d in zip([self.primary_cluster] + [s.cluster for s in self.further],
                                  self.drivers, strict=True)]
         k = pick_shard([len(d.live) for d in self.drivers], slots)
@@ -219,8 +219,8 @@ class RolloutShards:
 
     def membership_changes(self) -> list[tuple[RolloutShard, WorkerChange]]:
         """The further shards' workers that left or joined since (the run's, and those with
-        rollout tags), already on or off their shard's cluster: one that left is off the
-        router; one that joined is on it, or, an inference worker, waits for weights
+        rollout tags), already on or off their shard's cluster: one that left is off its
+        pool workers; one that joined is on them, or, an inference worker, waits for weights
         (:meth:`load_on`, :meth:`loaded`)."""
         out = []
         for s in self.further:
@@ -229,7 +229,7 @@ class RolloutShards:
                 if change.change is Change.LEFT:
                     if not s.cluster.remove_worker(worker):
                         continue  # not one of the run's workers
-                    s.driver.router.remove(worker)
+                    s.driver.pool_workers.remove(worker)
                     s.inference_workers.pop(worker, None)
                     s.joining.pop(worker, None)
                     if s.weights_on == worker:  # lost with it: the next version brings more
@@ -242,7 +242,7 @@ class RolloutShards:
                     s.cluster.add_worker(worker, change.name, tags)
                     inference = next((t for t in INFERENCE_TAGS if str(t) in tags), None)
                     if inference is None:
-                        s.driver.router.add(worker, list(tags))
+                        s.driver.pool_workers.add(worker, list(tags))
                     else:
                         s.inference_workers[worker] = inference
                         s.joining[worker] = list(tags)
@@ -255,13 +255,13 @@ class RolloutShards:
         for s in self.further:
             tags = s.joining.pop(worker, None)
             if tags is not None:
-                s.driver.router.add(worker, tags)
+                s.driver.pool_workers.add(worker, tags)
                 return s
         return None
 
     def missing_pools(self) -> dict[int, list[Tag]]:
         """Each further shard's rollout tags that no serving worker carries now."""
-        return {s.index: [t for t in ROLLOUT_TAGS if not s.driver.router.has(str(t))]
+        return {s.index: [t for t in ROLLOUT_TAGS if not s.driver.pool_workers.has(str(t))]
                 for s in self.further}
 
     def close(self) -> None:

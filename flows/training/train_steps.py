@@ -18,7 +18,7 @@ from flows.monitoring.metrics import MetricSink, batch_metrics, perf_metrics
 from flows.training import core
 from flows.training.events import Abandoned, Event, EventLoop, FutureKind
 from flows.training.lifecycle import DropReason
-from flows.training.reward_bursts import RewardDispatcher
+from flows.training.reward_bursts import RewardBursts
 from flows.training.trainer_handle import TrainerHandle
 from flows.training.weights import WeightLoads
 from resources.emulated import sequence_lengths
@@ -31,7 +31,7 @@ class TrainSteps:
     """The step in flight, the windows the trainer trained in, the last metrics row."""
 
     def __init__(self, run_core: core.RunCore, trainer: TrainerHandle, events: EventLoop,
-                 abandoned: Abandoned, weights: WeightLoads, rewards: RewardDispatcher,
+                 abandoned: Abandoned, weights: WeightLoads, rewards: RewardBursts,
                  sink: MetricSink, elapsed_s: Callable[[], float], colocated_device=None):
         """``colocated_device``: monolithic on emulated devices, the engines' device model,
         whose GPUs each train step time-shares (None: the trainer has GPUs of its own)."""

@@ -2,7 +2,7 @@
 
 ``split`` (the default) sends every turn's prefill to a compute-pool worker and its decode to
 the trajectory's bandwidth-pool worker, whatever the turn looks like. ``length_aware`` asks the
-device model (:mod:`resources.device_model`, the one the router and the emulated engines use)
+device model (:mod:`resources.device_model`, the one the affinity router and the emulated engines use)
 which of three placements finishes the turn first:
 
 - split: prefill on the least-loaded compute worker, decode on the trajectory's decode worker
@@ -28,7 +28,7 @@ from resources.device_model import DeviceModel
 from resources.pools import Tag
 
 
-class Dispatch(StrEnum):
+class TurnPlacement(StrEnum):
     SPLIT = "split"
     LENGTH_AWARE = "length_aware"
 

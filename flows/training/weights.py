@@ -29,7 +29,7 @@ class WeightLoads:
                  serving: Callable[[str, dict[str, float], int, str | None], None]):
         """``serving(worker, tags, version, pool)`` is called when an inference worker that
         joined holds the weights and may get work (``pool``: its pool on a further rollout
-        shard, whose router took it already; None: shard 0's, with ``tags``)."""
+        shard, whose pool workers took it already; None: shard 0's, with ``tags``)."""
         self.core, self.trainer, self.events = core, trainer, events
         self.abandoned, self.shards, self.serving = abandoned, shards, serving
         self.pinned: dict[str, tuple[str, Future]] = {}  # load/time-share key -> worker, future

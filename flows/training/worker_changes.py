@@ -53,7 +53,7 @@ class WorkerChanges:
         run = self.run
         return [tag for tag in Tag if not (
             run.trainer.worker is not None if tag is Tag.TRAINER
-            else run.driver.router.has(str(tag)))]
+            else run.driver.pool_workers.has(str(tag)))]
 
     def restored_from(self) -> int | None:
         """The checkpoint version of a trainer restore since the last call (a metrics field)."""
@@ -95,9 +95,9 @@ class WorkerChanges:
     def serving(self, worker: str, tags: dict[str, float], version: int,
                 pool: str | None) -> None:
         """An inference worker that joined holds the weights of ``version``: it gets work (on
-        a further shard, whose ``pool`` is given, its shard's router took it already)."""
+        a further shard, whose ``pool`` is given, its shard's pool workers took it already)."""
         if pool is None:
-            self.run.driver.router.add(worker, list(tags))
+            self.run.driver.pool_workers.add(worker, list(tags))
         self.note("serving", worker, f"loaded v{version}", pool)
 
     # -- changes ---------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class WorkerChanges:
         tags = run.cluster.remove_worker(worker)
         if not tags:
             return  # not one of the run's workers
-        run.driver.router.remove(worker)
+        run.driver.pool_workers.remove(worker)
         if run.scaler is not None and worker in run.scaler.retired:  # drained, not lost
             self.note("retired", worker)
         else:
@@ -134,7 +134,7 @@ class WorkerChanges:
         if run.trainer.inference_tag(tags) is not None:  # gets work once it holds the weights
             run.weights.joined(worker, tags, run.version)
         else:
-            run.driver.router.add(worker, list(tags))
+            run.driver.pool_workers.add(worker, list(tags))
         if str(Tag.TRAINER) in tags and run.trainer.worker is None:
             self._restore(run.core.trainer_joined(
                 worker, checkpoints.latest(run.run_dir) is not None))
@@ -155,7 +155,7 @@ class WorkerChanges:
             run.core.pool_slots = run.rollout_slots()
 
     def _rollout_worker_lost(self, driver: RolloutDriver, worker: str) -> None:
-        """A worker of ``driver``'s shard left (already off its router): its turns are
+        """A worker of ``driver``'s shard left (already off its pool_workers): its turns are
         abandoned (their trajectories restart or drop), its weight loads given up."""
         futures, out = driver.worker_lost(worker)
         self.run.abandoned.cancel(futures)

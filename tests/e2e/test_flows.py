@@ -140,7 +140,7 @@ def test_baselines_run_through_the_same_flow(switches, tmp_path):
         assert set(placement["prefill"]) == {"bandwidth"}
         assert set(placement["decode"]) == {"compute"}
     else:
-        # everything on the one pool, but reward dispatch, which has its own (as in disaggregated)
+        # everything on the one pool, but reward bursts, which has its own (as in disaggregated)
         assert all(set(v) == {"monolithic"} for k, v in placement.items() if k != "score")
         assert set(placement["score"]) == {"reward"}
 

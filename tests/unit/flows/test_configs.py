@@ -81,7 +81,7 @@ def test_config_loads_and_components_resolve(path):
     ("reward.judge={model: dense-8b}", "reward.judge"),  # needs the emulated backend
     ("env_tasks.0.shape={prompt_tokens: {median: 0}, turn_tokens: {median: 1}, "
      "response_tokens: {median: 1}}", "env_tasks.0.shape.prompt_tokens.median"),
-    ("rollout.dispatch=random", "rollout.dispatch"),
+    ("rollout.turn_placement=random", "rollout.turn_placement"),
 ])
 def test_bad_override_names_key(override, key):
     with pytest.raises(ConfigError) as exc:

@@ -12,7 +12,7 @@ from flows.training.orchestration import (
     AdmissionState,
     GroupCollector,
     GroupDraw,
-    Router,
+    PoolWorkers,
     admission_room,
     groups_to_cut,
 )
@@ -112,7 +112,7 @@ def test_group_left_with_one_member_is_dropped_whole():
 
 
 def test_router_prefers_affinity_then_least_loaded():
-    r = Router({"GPU_BANDWIDTH": ["w1", "w2"]})
+    r = PoolWorkers({"GPU_BANDWIDTH": ["w1", "w2"]})
     r.started("w1")
     assert r.choose("GPU_BANDWIDTH") == "w2"
     assert r.choose("GPU_BANDWIDTH", prefer="w1") == "w1"
@@ -121,7 +121,7 @@ def test_router_prefers_affinity_then_least_loaded():
         r.choose("TRAINER")
 
 
-def test_length_aware_dispatch_keeps_short_turns_on_fast_gpus_and_splits_long_ones():
+def test_length_aware_placement_keeps_short_turns_on_fast_gpus_and_splits_long_ones():
     from collections import Counter
 
     from flows.training.turn_placement import ResponseLengths, plan_turn

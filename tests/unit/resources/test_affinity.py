@@ -48,7 +48,7 @@ def test_one_device_kind_colocates():
 def test_monolithic_is_one_pool_with_every_tag():
     cfg = load_config(overrides=["placement=monolithic"])
     pools = effective_pools(cfg)
-    # one pool carries every hardware tag; reward dispatch keeps its own pool
+    # one pool carries every hardware tag; reward bursts keeps its own pool
     assert [p.role for p in pools] == [Role.ALL, Role.SERVERLESS]
     assert pools[0].workers == sum(p.workers for p in cfg.cluster.pools
                                    if p.role is not Role.SERVERLESS)
