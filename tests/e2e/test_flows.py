@@ -125,8 +125,10 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
 SWAPPED = ["cluster.pools.0.profile=H20", "cluster.pools.1.profile=H800"]
 
 
-@pytest.mark.parametrize("switches", [["mode=sync", "policy.max_context=48", *SWAPPED],
-                                      ["placement=monolithic"]], ids=["sync", "monolithic"])
+@pytest.mark.parametrize("switches", [
+    pytest.param(["mode=sync", "policy.max_context=48", *SWAPPED], id="sync"),
+    # the bench's systems (long) run monolithic placement too
+    pytest.param(["placement=monolithic"], id="monolithic", marks=pytest.mark.long)])
 def test_baselines_run_through_the_same_flow(switches, tmp_path):
     _train(SHORT + switches, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -287,7 +289,8 @@ def test_unreachable_reward_endpoint_fails_before_the_cluster_starts(tmp_path):
     assert "Dask dashboard" not in proc.stdout
 
 
-@pytest.mark.parametrize("config", ["mix.yaml", "mix_sandbox.yaml"])
+@pytest.mark.parametrize("config", [
+    "mix.yaml", pytest.param("mix_sandbox.yaml", marks=pytest.mark.long)])
 def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, config):
     run = tmp_path / "run"
     _train(["--config", str(ROOT / "config" / config), *SHORT, "trainer.groups_per_step=4",
@@ -309,9 +312,12 @@ def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, con
 def _signal_after_steps(run_dir, args, sig, steps: int):
     """Start train.py, send ``sig`` once ``steps`` train steps are in metrics.jsonl; the
     finished process and its output."""
+    # SIGINT as at a terminal: a shell starting pytest in the background makes its children
+    # ignore SIGINT, which Python then keeps ignoring
     proc = subprocess.Popen([sys.executable, TRAIN, "--run-dir", str(run_dir), *args,
                              "metrics.progress=false", "cluster.dashboard_port=0"], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = run_dir / "metrics.jsonl"
 
     def trained() -> int:  # complete lines only: the run may be writing one

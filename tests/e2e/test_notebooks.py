@@ -15,6 +15,10 @@ from tests import ROOT
 pytestmark = pytest.mark.integration
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# the quickstart runs in the default suite; the others (half a minute each) with the long tests,
+# which .ci/run runs after it
+CASES = [pytest.param(p, id=p.stem, marks=() if p.stem.startswith("01_") else pytest.mark.long)
+         for p in NOTEBOOKS]
 
 
 def test_there_are_notebooks():
@@ -22,7 +26,7 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CASES)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLARC_NOTEBOOK_STEPS", "3")
     monkeypatch.setenv("ROLLARC_RUN_DIR", str(tmp_path / "runs" / "reading"))
