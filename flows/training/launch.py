@@ -133,10 +133,9 @@ def worker_devices(cfg: TrainConfig, cluster: ClusterHandle) -> dict[str, Device
     return devices
 
 
-def check_run_inputs(cfg: TrainConfig, cluster: ClusterHandle, n_shards: int,
-                     reward_endpoint: str | None) -> None:
+def check_run_inputs(cfg: TrainConfig, n_shards: int, reward_endpoint: str | None) -> None:
     """What a run needs of what it was given: one cluster per rollout shard, the reward
-    emulation's URL when it is on, a worker advertising each pool's resource."""
+    emulation's URL when it is on."""
     if cfg.cluster.shards != n_shards:
         raise ConfigError(f"cluster.shards: {cfg.cluster.shards} shards configured, the run "
                           f"was given {n_shards} clusters (Session.start starts them)")
@@ -144,7 +143,10 @@ def check_run_inputs(cfg: TrainConfig, cluster: ClusterHandle, n_shards: int,
             and not reward_endpoint:
         raise ValueError("reward.emulator.enabled: pass the running emulation's URL as "
                          "reward_endpoint (flows.training.launch.start_reward_service starts it)")
-    cluster.refresh()
+
+
+def require_pools(cluster: ClusterHandle) -> None:
+    """A worker advertises each pool's resource (as the cluster last saw its workers)."""
     for tag in Tag:
         if not cluster.workers_with(tag):
             raise RuntimeError(f"no worker advertises the resource {tag}; start workers with "

@@ -32,6 +32,7 @@ from flows.training.events import Abandoned, Event, EventLoop, FutureKind, RunCl
 from flows.training.launch import (
     check_run_inputs,
     colocated_device,
+    require_pools,
     reward_settings,
     worker_devices,
     worker_plugin,
@@ -71,12 +72,13 @@ class TrainingRun:
                  shards: Sequence[ClusterHandle] = ()):
         """``shards``: the further rollout shards' clusters of ``cluster.shards``
         (:func:`flows.training.shards.start_rollout_shards`); ``cluster`` is shard 0."""
-        check_run_inputs(cfg, cluster, 1 + len(shards), reward_endpoint)
+        check_run_inputs(cfg, 1 + len(shards), reward_endpoint)
         self.cfg, self.cluster, self.run_dir, self.sink = cfg, cluster, run_dir, sink
         self.publish_live = publish_live  # the dashboard page's figures, every LIVE_EVERY_S
         # workers joining and leaving from now on; and those that did before (between runs)
         self.membership = MembershipWatch(cluster.client)
         cluster.refresh()
+        require_pools(cluster)
         self.stages = stages or Stages()
         self.reward_cfg = reward_settings(cfg, reward_endpoint)
         self.client, self.run_id = cluster.client, run_dir.name
@@ -87,9 +89,9 @@ class TrainingRun:
         self.abandoned = Abandoned(ABANDON_GRACE_S)
         self.spans = StageSpans(self.run_id)  # Fine Performance Metrics by env task and stage
         key_tag = f"@{uuid.uuid4().hex[:6]}"  # ends every key: runs on one cluster never share
-        self.driver = RolloutDriver(self.client, cfg, pool_workers, ledger, self.stages, self.run_id,
-                                    devices=worker_devices(cfg, cluster), spans=self.spans,
-                                    key_tag=key_tag)
+        self.driver = RolloutDriver(self.client, cfg, pool_workers, ledger, self.stages,
+                                    self.run_id, devices=worker_devices(cfg, cluster),
+                                    spans=self.spans, key_tag=key_tag)
         # shard 0 (this driver, this loop) and the further shards of cluster.shards, if any
         self.shards = RolloutShards(list(shards), cfg, ledger, self.stages, self.run_id,
                                     key_tag, self.driver, self.events, cluster,
@@ -97,8 +99,8 @@ class TrainingRun:
         self.drivers = self.shards.drivers
         self.core.pool_slots = self.rollout_slots()
         self.rewards = RewardBursts(self.client, cfg, pool_workers, ledger, self.stages,
-                                        self.run_id, self.core.batch_trajectories,
-                                        spans=self.spans, key_tag=key_tag)
+                                    self.run_id, self.core.batch_trajectories,
+                                    spans=self.spans, key_tag=key_tag)
         self.trainer = TrainerHandle(self.client, cluster, self.stages, self.spans, key_tag)
         self.changes = WorkerChanges(self)  # workers joining and leaving; the watchdogs
         self.weights = WeightLoads(self.core, self.trainer, self.events, self.abandoned,
