@@ -191,8 +191,7 @@ class RolloutDriver:
                 continue
             if rec.handle is None:  # a fresh environment, on the least-loaded CPU worker
                 rec.env_worker = self.pool_workers.choose(Tag.CPU_ENV)
-                rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}."
-                                                       f"{rec.attempt}")
+                rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
             shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
                                rec.attempt)
             rec.last_shape = shape
