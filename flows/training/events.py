@@ -242,5 +242,8 @@ class RunClock:
 
     @property
     def elapsed_s(self) -> float:
-        since = 0.0 if self.t0 is None else time.perf_counter() - self.t0
-        return self.before_s + since
+        """Stands still while paused (a checkpoint written between train() calls records the
+        training time, not the pause)."""
+        if self.t0 is None:
+            return self.before_s
+        return self.before_s + (self._paused_at or time.perf_counter()) - self.t0

@@ -16,6 +16,7 @@ from flows.training.orchestration import (
     admission_room,
     groups_to_cut,
 )
+from resources.pools import Tag
 from tasks.records import Trajectory
 
 
@@ -164,3 +165,31 @@ def test_group_draw_state_round_trips_through_json():
     b.restore(state)
     assert [(g, t.name, s) for g, t, s in a.take(40)] == [(g, t.name, s) for g, t, s in
                                                           b.take(40)]
+
+
+def test_score_bursts_group_by_reward_function_in_order_and_cut_at_the_task_size():
+    from flows.training.orchestration import score_bursts
+
+    trajs = [_traj(i, "g", 0.0, [0]) for i in range(5)]
+    for t, env in zip(trajs, ["a", "b", "a", "a", "a"], strict=True):
+        t.env_name = env
+    bursts = score_bursts(trajs, {"a": "f1", "b": "f2"}, per_task=3)
+    assert [(f, [t.traj_id for t in b]) for f, b in bursts] == [
+        ("f1", ["0", "2", "3"]), ("f1", ["4"]), ("f2", ["1"])]
+    assert score_bursts([], {"a": "f1"}, per_task=3) == []
+
+
+def test_split_placement_keeps_decode_on_the_cache_and_prefill_beside_it_when_it_can():
+    from flows.training.turn_placement import place_turn
+
+    workers = PoolWorkers({"GPU_COMPUTE": ["c1", "both"], "GPU_BANDWIDTH": ["b1", "both"]})
+    workers.started("c1")  # c1 is busier than "both"
+    # decode stays on the worker holding the trajectory's cache; prefill joins it there
+    plan = place_turn(workers, None, decode_worker="both", kv_at="both", prompt=0, context=0,
+                      expected=None)
+    assert (plan.prefill_worker, plan.decode_worker) == ("both", "both")
+    assert (plan.prefill_tag, plan.decode_tag) == (Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH)
+    # a fresh trajectory: the least-loaded of each pool ("b1" before "both" on a tie by name)
+    plan = place_turn(workers, None, decode_worker=None, kv_at=None, prompt=0, context=0,
+                      expected=None)
+    assert plan.decode_worker == "b1" and plan.prefill_worker == "both"
