@@ -94,6 +94,7 @@ def test_a_killed_worker_of_any_pool_does_not_stop_the_run(session, tag, tmp_pat
         assert serving and serving[0]["worker"] == joined[0]  # loaded before it got work
 
 
+@pytest.mark.long  # waits out cluster.worker_ttl_s: a drill of a minute, run by .ci/run
 def test_a_stuck_reward_worker_is_restarted_and_its_scores_sent_again(session, tmp_path):
     """A worker that stops answering without dying (SIGSTOP: its connections stay open, its
     heartbeats stop, its score tasks never end) once left a run waiting with no log line: the
