@@ -71,13 +71,13 @@ class RolloutDriver:
                  devices: dict[str, DeviceModel] | None = None,
                  spans: StageSpans | None = None, key_tag: str = "",
                  env_specs: dict[str, dict] | None = None):
-        self.client, self.cfg, self.pool_workers, self.ledger = client, cfg, pool_workers, ledger
+        self.cfg, self.pool_workers, self.ledger = cfg, pool_workers, ledger
         # ends every key: runs sharing a cluster never share a key (nor an old key's result)
         self.key_tag = key_tag
         # rollout.turn_placement=length_aware: each inference worker's device model (None: split)
         self.devices = devices
         self.lengths = ResponseLengths()
-        self.stages, self.run_id = stages, run_id
+        self.run_id = run_id
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
         # each env task's environment, with the faults of faults.env injected; rollout shards

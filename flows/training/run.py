@@ -107,8 +107,7 @@ class TrainingRun:
                                    self.shards, self.changes.serving)
         self.steps = TrainSteps(self.core, self.trainer, self.events, self.abandoned,
                                 self.weights, self.rewards, sink, lambda: self.elapsed_s,
-                                colocated_device(cfg))
-        self.steps.restored_from = self.changes.restored_from
+                                self.changes.restored_from, colocated_device(cfg))
         self.checkpoints = checkpoints.Checkpointer(
             run_dir, cfg.trainer.keep_checkpoints, self.trainer, self.core,
             lambda fut: self.events.track(fut, FutureKind.CHECKPOINT))

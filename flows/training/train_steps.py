@@ -32,9 +32,11 @@ class TrainSteps:
 
     def __init__(self, run_core: core.RunCore, trainer: TrainerHandle, events: EventLoop,
                  abandoned: Abandoned, weights: WeightLoads, rewards: RewardBursts,
-                 sink: MetricSink, elapsed_s: Callable[[], float], colocated_device=None):
-        """``colocated_device``: monolithic on emulated devices, the engines' device model,
-        whose GPUs each train step time-shares (None: the trainer has GPUs of its own)."""
+                 sink: MetricSink, elapsed_s: Callable[[], float],
+                 restored_from: Callable[[], int | None], colocated_device=None):
+        """``restored_from()``: the checkpoint version of a trainer restore since the last step
+        (None: none). ``colocated_device``: monolithic on emulated devices, the engines' device
+        model, whose GPUs each train step time-shares (None: the trainer has its own GPUs)."""
         self.core, self.trainer, self.events, self.abandoned = run_core, trainer, events, abandoned
         self.weights, self.rewards, self.sink = weights, rewards, sink
         self.elapsed_s, self.colocated_device = elapsed_s, colocated_device
@@ -43,7 +45,7 @@ class TrainSteps:
         self.windows: list[tuple[float, float]] = []  # (submitted, recorded) of every step
         self.batch_info: dict = {}  # the batch's metrics, for the row of its step
         self.last_metrics: dict = {}
-        self.restored_from: Callable[[], int | None] = lambda: None
+        self.restored_from = restored_from
         self.future: Future | None = None
         self._submitted_at = 0.0
 
