@@ -162,6 +162,7 @@ class TrainerConfig(Section):
 
 # engine.backend may name a built-in backend instead of giving its component spec
 BACKENDS = {"hf": "resources.engine.hf_backend",
+            "vllm": "resources.vllm_engine.vllm_backend",
             "emulated": "resources.emulated.emulated_backend"}
 
 
@@ -178,7 +179,7 @@ class EngineConfig(Section):
     backend: Annotated[dict[str, Any], BeforeValidator(_backend_spec)] = Field(
         default_factory=lambda: {COMPONENT: BACKENDS["hf"]},
         description="Inference backend (tasks.inference.InferenceBackend) on every inference "
-                    "worker: hf | emulated | {_component_: ...}, called with policy and "
+                    "worker: hf | vllm | emulated | {_component_: ...}, called with policy and "
                     "max_batch (and the worker's hardware, gpus, device, time_scale and "
                     "engine_id when it takes them)")
     time_scale: float = Field(default=1.0, gt=0, description="Multiplies every emulated wait "
