@@ -96,6 +96,33 @@ def resolve_dtype(spec: PolicySpec) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def build_llm_engine(model_dir: str, *, max_batch: int = 64, max_context: int = 256,
+                     dtype: str = "float32", block_size: int = 32,
+                     kv_cache_bytes: int | None = 256 << 20,
+                     gpu_memory_utilization: float = 0.3, seed: int = 0,
+                     extra_args: dict | None = None):
+    """A ``vllm.v1.engine.llm_engine.LLMEngine`` as the backend runs it: engine core in this
+    process, prefix caching on, token ids only (no tokenizer), log-probs after temperature.
+    ``extra_args`` go to ``vllm.EngineArgs`` last, so they win."""
+    vllm = _vllm()
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = dict(model=model_dir, dtype=dtype, max_model_len=max_context,
+                max_num_seqs=max(1, max_batch), block_size=block_size,
+                enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True,
+                seed=seed, logprobs_mode="processed_logprobs",
+                gpu_memory_utilization=gpu_memory_utilization)
+    if kv_cache_bytes:
+        args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    if not torch.cuda.is_available():
+        # A step's token budget that holds every running request's whole prompt, so no
+        # prefill is split over steps: vLLM rewinds a seeded request's generator after a
+        # split prefill, which a CPU generator refuses ("CPU Generator does not use offset").
+        args["max_num_batched_tokens"] = max(1, max_batch) * max_context
+    args.update(extra_args or {})
+    return LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -145,24 +172,13 @@ class VLLMEngine:
                  seed: int = 0, extra_args: dict | None = None):
         vllm = _vllm()
         from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.llm_engine import LLMEngine
 
         self._vllm, self._delta = vllm, RequestOutputKind.DELTA
-        args = dict(model=model_dir, dtype=dtype, max_model_len=max_context,
-                    max_num_seqs=max(1, max_batch), block_size=block_size,
-                    enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True,
-                    seed=seed, logprobs_mode="processed_logprobs",
-                    gpu_memory_utilization=gpu_memory_utilization)
-        if kv_cache_bytes:
-            args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        if not torch.cuda.is_available():
-            # A step's token budget that holds every running request's whole prompt, so no
-            # prefill is split over steps: vLLM rewinds a seeded request's generator after a
-            # split prefill, which a CPU generator refuses ("CPU Generator does not use offset").
-            args["max_num_batched_tokens"] = max(1, max_batch) * max_context
-        args.update(extra_args or {})
         t0 = time.perf_counter()
-        self.engine = LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        self.engine = build_llm_engine(
+            model_dir, max_batch=max_batch, max_context=max_context, dtype=dtype,
+            block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed, extra_args=extra_args)
         self.startup_s = time.perf_counter() - t0
         self.max_context = max_context
         self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
