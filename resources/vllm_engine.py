@@ -351,7 +351,9 @@ class VLLMEngine:
         s.tokens += len(req.tokens)
         s.prompt_tokens += len(req.prompt)
         s.cached_tokens += req.cached_tokens
-        oldest = min([req.added_version, *req.versions])
+        # the first token's forward pass is the prompt's (prefills are never split here) and
+        # the prefix cache is emptied at every load, so the KV read is never older than this
+        oldest = min(req.versions) if req.versions else req.added_version
         req.future.set_result(Generation(req.tokens, req.logprobs, req.versions, len(req.prompt),
                                          req.cached_tokens, oldest, req.finish_reason))
 
