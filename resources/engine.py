@@ -10,6 +10,10 @@ the request queue, pads the requests' past KV caches (left) and new tokens (righ
 runs a single forward pass and hands each request its slice back. New weights are applied by that
 same thread between two forward passes: the safe point. Every result carries the version of the
 weights that produced it.
+
+The model may live on a GPU and in a half dtype (``policy.device``, ``policy.dtype``); the engine
+moves the incoming past KV there and hands back KV and logits as float32 CPU tensors, since what
+a turn returns ends up in records that Dask ships between workers as numpy arrays.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 
 @dataclass
 class ForwardResult:
-    """kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab]."""
+    """kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab]; both float32 on
+    the CPU, whatever the model's device and dtype."""
 
     kv_new: torch.Tensor
     last_logits: torch.Tensor
@@ -79,6 +84,8 @@ class InferenceEngine:
 
     def __init__(self, model: PreTrainedModel, max_batch: int = 64, batch_wait_s: float = 0.0):
         self.model = model.eval()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
         self.layers, self.kv_heads, self.head_dim = kv_geometry(model)
         self._cache_kwarg = cache_kwarg(model)
         self.max_batch = max_batch
@@ -144,7 +151,8 @@ class InferenceEngine:
         state, version = pending
         try:
             if version > self.version:  # an older snapshot staged during a switch is skipped
-                tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}
+                tensors = {k: self._on_device(torch.from_numpy(np.asarray(v)))
+                           for k, v in state.items()}
                 missing, unexpected = self.model.load_state_dict(tensors, strict=False)
                 missing = [m for m in missing if not m.endswith("lm_head.weight")]
                 if missing or unexpected:
@@ -157,6 +165,10 @@ class InferenceEngine:
             self._weight_error = exc
         for done in waiters:
             done.set()
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the model's device, floating point in the model's dtype."""
+        return t.to(self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def _loop(self) -> None:
         while not self._closed:
@@ -192,23 +204,27 @@ class InferenceEngine:
         input_ids = torch.zeros(B, N, dtype=torch.long)
         mask = torch.zeros(B, T + N, dtype=torch.long)
         positions = torch.zeros(B, N, dtype=torch.long)
-        kv = torch.zeros(self.layers, 2, B, self.kv_heads, T, self.head_dim)
+        kv = torch.zeros(self.layers, 2, B, self.kv_heads, T, self.head_dim, device=self.device,
+                         dtype=self.dtype)
         for b, r in enumerate(batch):
             t, n = past_lens[b], new_lens[b]
             input_ids[b, :n] = torch.tensor(r.input_ids)
             mask[b, T - t : T + n] = 1
             positions[b] = torch.arange(t, t + N)
             if t:
-                kv[:, :, b, :, T - t :] = r.past
+                kv[:, :, b, :, T - t :] = self._on_device(r.past)
+        input_ids, mask, positions = (x.to(self.device) for x in (input_ids, mask, positions))
         cfg = self.model.config
         cache = (DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(self.layers)],
                               config=cfg) if T else DynamicCache(config=cfg))
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, **{self._cache_kwarg: cache})
         layers = cache.layers  # filled in place
-        keys = torch.stack([layer.keys[:, :, T:] for layer in layers])  # [L, B, H, N, D]
-        values = torch.stack([layer.values[:, :, T:] for layer in layers])
-        logits = out.logits.float()
+        # back to the CPU in float32, one copy each: [L, B, H, N, D] and [B, vocab]
+        keys = torch.stack([layer.keys[:, :, T:] for layer in layers]).float().cpu()
+        values = torch.stack([layer.values[:, :, T:] for layer in layers]).float().cpu()
+        last = torch.tensor([n - 1 for n in new_lens], device=out.logits.device)
+        logits = out.logits[torch.arange(B, device=last.device), last].float().cpu()
         self.stats.forward_passes += 1
         self.stats.requests += B
         self.stats.tokens += sum(new_lens)
@@ -217,7 +233,7 @@ class InferenceEngine:
         for b in range(B):
             n = new_lens[b]
             kv_new = torch.stack([keys[:, b, :, :n], values[:, b, :, :n]], dim=1).contiguous()
-            results.append(ForwardResult(kv_new, logits[b, n - 1].clone(), self.version))
+            results.append(ForwardResult(kv_new, logits[b].clone(), self.version))
         return results
 
 

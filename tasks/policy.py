@@ -3,6 +3,11 @@
 The embedded default is a tiny Qwen2 initialised at random from config, with the tokenizer of
 :mod:`tasks.tiny_tokenizer` (whole words and characters, no download). ``policy.path`` loads any
 Hugging Face causal-LM directory instead, and its chat template is applied when it has one.
+
+``policy.device`` and ``policy.dtype`` say where the model runs and in what precision
+(:func:`torch_device`, :func:`torch_dtype`); both resolve on the worker that loads the model, so
+one config serves CPU and GPU workers alike. The weights are always built or read in float32 on
+the CPU first, so a seeded initialisation is the same on every device.
 """
 
 from __future__ import annotations
@@ -32,8 +37,38 @@ def load_tokenizer(spec: PolicySpec) -> PreTrainedTokenizerFast:
     return build_tokenizer(spec.word_sets)
 
 
-def load_policy(spec: PolicySpec) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build or load the model (float32, eval mode) and its tokenizer."""
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_device(spec: PolicySpec) -> torch.device:
+    """``policy.device`` on this worker: auto is the current CUDA device if torch sees one,
+    else the CPU."""
+    if spec.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"policy.device is {spec.device!r} but torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"policy.device is {spec.device!r} but torch sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def torch_dtype(spec: PolicySpec) -> torch.dtype:
+    """``policy.dtype`` on this worker: auto is bfloat16 on a CUDA device that supports it,
+    float32 otherwise."""
+    if spec.dtype != "auto":
+        return _DTYPES[spec.dtype]
+    if torch_device(spec).type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_policy(spec: PolicySpec, dtype: torch.dtype | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build or load the model (eval mode) on ``policy.device`` and its tokenizer; its weights
+    in ``dtype``, by default ``policy.dtype`` (the trainer asks for float32)."""
     tokenizer = load_tokenizer(spec)
     if spec.path:
         model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
@@ -45,6 +80,7 @@ def load_policy(spec: PolicySpec) -> tuple[PreTrainedModel, PreTrainedTokenizerF
         with torch.random.fork_rng():
             torch.manual_seed(spec.init_seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.to(device=torch_device(spec), dtype=dtype or torch_dtype(spec))
     model.eval()
     return model, tokenizer
 

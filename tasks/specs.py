@@ -4,9 +4,14 @@ that a config is checked without importing the model code (:mod:`tasks.policy` a
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.tiny_tokenizer import check_word_sets
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class PolicySpec(BaseModel):
@@ -28,11 +33,32 @@ class PolicySpec(BaseModel):
     init_seed: int = Field(default=0, description="Seed of the random initialisation")
     max_context: int = Field(default=256, ge=8, description="Context limit in tokens")
     system_prompt: str | None = Field(default=None, description="Optional system message")
+    device: str = Field(
+        default="auto", description="Where the policy runs: auto (cuda if torch sees a GPU, else "
+        "cpu), cpu, cuda or cuda:N")
+    dtype: str = Field(
+        default="auto", description="Inference weights and the trainer's autocast: auto (bfloat16 "
+        "on a GPU that supports it, else float32), float32, bfloat16 or float16; the trainer "
+        "keeps float32 weights and autocasts to bfloat16 only")
 
     @field_validator("word_sets")
     @classmethod
     def _known_word_sets(cls, v: list[str]) -> list[str]:
         check_word_sets(v)
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not DEVICE_PATTERN.fullmatch(v):
+            raise ValueError("must be one of auto, cpu, cuda, cuda:N")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return v
 
 

@@ -2,6 +2,13 @@
 
 The flows see it only through the :class:`Trainer` protocol; :func:`policy_trainer` builds the
 shipped implementation from config.
+
+The trainer keeps float32 master weights on ``policy.device`` and, when ``policy.dtype``
+resolves to bfloat16 (the default on a GPU), runs its forward passes under bfloat16 autocast: the
+optimiser updates stay in float32 while the matrix products run at bf16 speed; log-probs are
+taken in float32 either way. float16 applies to the inference engine only (training in it would
+need loss scaling). What leaves the trainer is device-independent: exported weights are float32 numpy
+arrays and checkpoints hold CPU tensors.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import random
 import threading
 import time
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -18,7 +26,7 @@ import numpy as np
 import torch
 
 from tasks.losses import LossFn, decoupled_ppo_loss
-from tasks.policy import load_policy, save_policy
+from tasks.policy import load_policy, save_policy, torch_dtype
 from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
 from tasks.specs import PolicySpec, TrainerHParams
 
@@ -54,8 +62,12 @@ class PolicyTrainer:
     """Decoupled PPO on a causal LM (implements :class:`Trainer`)."""
 
     def __init__(self, model, tokenizer, hp: TrainerHParams, seed: int = 0,
-                 loss: LossFn | None = None):
+                 loss: LossFn | None = None, autocast: torch.dtype | None = None):
+        """``model`` in float32 on its device; ``autocast``: the dtype its forward passes run
+        in (bfloat16), or None for plain float32."""
         self.model, self.tokenizer, self.hp = model, tokenizer, hp
+        self.device = next(model.parameters()).device
+        self.autocast = autocast
         self.loss = loss or decoupled_ppo_loss
         # Eval mode throughout (gradients still flow): dropout would make the proximal and
         # current log-probs noisy, so the PPO ratio and the IS weight would be off even at
@@ -80,23 +92,24 @@ class PolicyTrainer:
         frac = min(self.version / self.hp.total_steps, 1.0)
         return 1.0 - (1.0 - self.hp.lr_final_ratio) * frac
 
+    def _autocast(self) -> AbstractContextManager:
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
     def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy."""
-        logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
-        logp_all = torch.log_softmax(logits[:, :-1] / self.hp.temperature, dim=-1)
+        with self._autocast():
+            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        logp_all = torch.log_softmax(logits.float()[:, :-1] / self.hp.temperature, dim=-1)
         tok = torch.gather(logp_all, 2, ids[:, 1:, None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1)
-        pad = torch.zeros(ids.shape[0], 1)
+        pad = torch.zeros(ids.shape[0], 1, device=ids.device)
         return torch.cat([pad, tok], 1), torch.cat([pad, ent], 1)
 
-    def train_step(self, batch: TrainBatch) -> TrainStats:
-        with self._lock:
-            return self._train_step(batch)
-
-    def _train_step(self, batch: TrainBatch) -> TrainStats:
-        t0 = time.perf_counter()
-        if batch.policy_version != self.version:
-            raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
+    def _tensors(self, batch: TrainBatch) -> tuple[torch.Tensor, ...]:
+        """The batch padded on the right, on the model's device: token ids, attention mask,
+        loss mask, behaviour log-probs ([B, T] each) and advantages ([B])."""
         S = batch.samples
         T = max(len(s.token_ids) for s in S)
         ids = torch.zeros(len(S), T, dtype=torch.long)
@@ -110,16 +123,37 @@ class PolicyTrainer:
             mask[i, :n] = torch.from_numpy(np.asarray(s.loss_mask, dtype=bool))
             behav[i, :n] = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
         adv = torch.tensor([s.advantage for s in S], dtype=torch.float32)
+        return tuple(t.to(self.device) for t in (ids, attn, mask, behav, adv))
+
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        """What the current weights give each sample's tokens, computed as a train step computes
+        its proximal log-probs (the whole batch in one pass): one float32 array per sample,
+        position 0 gets 0. Set against ``behaviour_logprobs`` it measures the mismatch between
+        the sampler's numerics and the trainer's."""
+        with self._lock, torch.no_grad():
+            ids, attn, *_ = self._tensors(batch)
+            logp = self._logprobs(ids, attn)[0].cpu().numpy()
+        return [logp[i, :len(s.token_ids)].copy() for i, s in enumerate(batch.samples)]
+
+    def train_step(self, batch: TrainBatch) -> TrainStats:
+        with self._lock:
+            return self._train_step(batch)
+
+    def _train_step(self, batch: TrainBatch) -> TrainStats:
+        t0 = time.perf_counter()
+        if batch.policy_version != self.version:
+            raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
+        ids, attn, mask, behav, adv = self._tensors(batch)
         with torch.no_grad():
             prox, _ = self._logprobs(ids, attn)
         stats = []
-        order = list(range(len(S)))
+        order = list(range(len(batch.samples)))
         for _ in range(self.hp.ppo_epochs):
             self._shuffle_rng.shuffle(order)
             for mb in np.array_split(np.array(order), self.hp.minibatches):
                 if len(mb) == 0:
                     continue
-                idx = torch.from_numpy(mb)
+                idx = torch.from_numpy(mb).to(self.device)
                 logp, ent = self._logprobs(ids[idx], attn[idx])
                 out = self.loss(logp, prox[idx], behav[idx], adv[idx], mask[idx],
                                 clip_eps=self.hp.clip_eps, tis_cap=self.hp.tis_cap)
@@ -164,7 +198,7 @@ class PolicyTrainer:
         loads with ``torch.load(weights_only=True)`` (no arbitrary pickle from disk)."""
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": _cpu(self.model.state_dict()), "optimizer": _cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version, "torch_rng": torch.get_rng_state(),
             "numpy_rng": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -174,8 +208,8 @@ class PolicyTrainer:
         }
 
     def load_checkpoint(self, path: str) -> int:
-        state = torch.load(path, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])  # copied onto the model's device
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         with warnings.catch_warnings():  # the lr depends on the version, not the step count
@@ -188,6 +222,17 @@ class PolicyTrainer:
         random.setstate(_tuples(state["python_rng"]))
         self._shuffle_rng.setstate(_tuples(state["shuffle_rng"]))
         return self.version
+
+
+def _cpu(state):
+    """A state dict with every tensor on the CPU (nested dicts and lists followed)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_cpu(v) for v in state)
+    return state
 
 
 def _plain(rng_state: tuple) -> list:
@@ -212,11 +257,13 @@ def write_checkpoint(state: dict, path: str | Path) -> str:
 
 def policy_trainer(policy: PolicySpec | dict, hparams: TrainerHParams | dict, seed: int = 0,
                    loss: LossFn | None = None) -> PolicyTrainer:
-    """Build the trainer from config (a ``_component_`` target): its own copy of the policy."""
+    """Build the trainer from config (a ``_component_`` target): its own copy of the policy, in
+    float32 on ``policy.device``, autocast to bfloat16 when ``policy.dtype`` resolves to it."""
     spec = policy if isinstance(policy, PolicySpec) else PolicySpec(**policy)
     hp = hparams if isinstance(hparams, TrainerHParams) else TrainerHParams(**hparams)
-    model, tokenizer = load_policy(spec)
-    return PolicyTrainer(model, tokenizer, hp, seed=seed, loss=loss)
+    model, tokenizer = load_policy(spec, dtype=torch.float32)
+    autocast = torch.bfloat16 if torch_dtype(spec) == torch.bfloat16 else None
+    return PolicyTrainer(model, tokenizer, hp, seed=seed, loss=loss, autocast=autocast)
 
 
 def train_step(trainer: Trainer, batch: TrainBatch) -> TrainStats:

@@ -1,4 +1,5 @@
-"""The worker-resident engine: batched forward passes, equal results, versioned weight switches."""
+"""The worker-resident engine: batched forward passes, equal results, versioned weight switches,
+float32 CPU results from a model of any dtype."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import threading
 import numpy as np
 import torch
 
-from resources.engine import HFBackend
+from resources.engine import HFBackend, InferenceEngine
 from tasks.generation import decode, prefill
-from tasks.policy import stop_token_ids
+from tasks.policy import load_policy, stop_token_ids
 from tasks.records import SamplingParams
+from tasks.specs import PolicySpec
 
 
 def test_forward_matches_full_forward(engine, policy):
@@ -75,3 +77,28 @@ def test_older_weights_never_replace_newer(engine, policy):
     assert engine.load_weights(state, version=5) == 5
     assert engine.load_weights(state, version=3) == 5  # late arrival of an older version
     assert engine.version == 5 and engine.stats.weight_loads == 1
+
+
+def test_a_bfloat16_model_hands_back_float32_cpu_results(policy, obs):
+    model, tok = policy
+    half, _ = load_policy(PolicySpec(device="cpu", dtype="bfloat16"))
+    engine = InferenceEngine(half)
+    try:
+        state = {k: (v.detach().numpy() * 0.5).astype(np.float32)
+                 for k, v in model.state_dict().items()}
+        assert engine.load_weights(state, version=1) == 1  # float32 arrays, cast on loading
+        for k, v in half.state_dict().items():
+            assert v.dtype == torch.bfloat16
+            assert torch.equal(v, torch.from_numpy(state[k]).to(torch.bfloat16)), k
+        a = engine.forward(None, [3, 6, 7, 8, 9])
+        b = engine.forward(a.kv_new, [10, 11])
+        for t in (a.kv_new, a.last_logits, b.kv_new, b.last_logits):
+            assert t.dtype == torch.float32 and t.device.type == "cpu"
+        backend = HFBackend(engine, tok, stop_token_ids(tok), 256)
+        pre = prefill(backend, None, obs([3, 6, 7, 4]))
+        out = decode(backend, pre, None, SamplingParams(max_new_tokens=5), seed=0)
+        assert pre.kv_new.dtype == out.cache.kv.dtype == np.float32
+        assert out.cache.kv.shape[3] == 4 + out.sample.decode_tokens_processed
+        assert np.isfinite(out.sample.logprobs).all()
+    finally:
+        engine.close()

@@ -1,4 +1,5 @@
-"""Policy loading: the tiny default, and any Hugging Face causal-LM directory with its template."""
+"""Policy loading: the tiny default, and any Hugging Face causal-LM directory with its template;
+``policy.device`` and ``policy.dtype``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from flows.config import ConfigError, load_config
 from tasks.policy import (
     PolicySpec,
     assistant_suffix,
@@ -26,6 +28,8 @@ from tasks.policy import (
     load_policy,
     save_policy,
     stop_token_ids,
+    torch_device,
+    torch_dtype,
 )
 from tasks.tiny_tokenizer import ENV_WORDS, WORDS
 from tests import ROOT
@@ -62,7 +66,7 @@ def test_hf_checkpoint_round_trip_with_chat_template(tmp_path):
     torch.manual_seed(0)
     src = LlamaForCausalLM(cfg).eval()
     save_policy(src, tok, tmp_path / "ckpt")
-    model, loaded_tok = load_policy(PolicySpec(path=str(tmp_path / "ckpt")))
+    model, loaded_tok = load_policy(PolicySpec(path=str(tmp_path / "ckpt"), device="cpu"))
     assert model.config.model_type == "llama" and loaded_tok.chat_template
     ids = encode_first_turn(loaded_tok, "guess number between 1 and 8")
     assert ids == encode_first_turn(tok, "guess number between 1 and 8")
@@ -153,3 +157,40 @@ def test_chatml_unfinished_response_is_closed_by_the_template_end(qwen_style):
     assert tok.eos_token_id not in unfinished
     assert tok.decode(unfinished) == "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n" \
         "<|im_start|>assistant\n"
+
+
+def test_device_and_dtype_auto_resolve_on_the_loading_machine():
+    spec = load_config(None, []).policy
+    assert (spec.device, spec.dtype) == ("auto", "auto")
+    if torch.cuda.is_available():
+        assert torch_device(spec).type == "cuda"
+    else:  # float32 on the CPU: the weights and the tokens of a CPU run stay as they were
+        assert torch_device(spec) == torch.device("cpu") and torch_dtype(spec) == torch.float32
+        model, _ = load_policy(spec)
+        assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.float32)}
+    spec = load_config(None, ["policy.device=cpu", "policy.dtype=bfloat16"]).policy
+    assert torch_device(spec) == torch.device("cpu") and torch_dtype(spec) == torch.bfloat16
+
+
+@pytest.mark.parametrize("override,key", [("policy.device=gpu", "policy.device"),
+                                          ("policy.device=cuda:x", "policy.device"),
+                                          ("policy.dtype=fp8", "policy.dtype")])
+def test_a_bad_device_or_dtype_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}: must be one of"):
+        load_config(None, [override])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="policy.device is 'cuda:1' but torch sees no CUDA"):
+        load_policy(PolicySpec(device="cuda:1"))
+
+
+def test_a_bfloat16_policy_is_the_float32_one_rounded():
+    full, _ = load_policy(PolicySpec(device="cpu"))
+    half, _ = load_policy(PolicySpec(device="cpu", dtype="bfloat16"))
+    master, _ = load_policy(PolicySpec(device="cpu", dtype="bfloat16"), dtype=torch.float32)
+    for (name, f), h, m in zip(full.named_parameters(), half.parameters(), master.parameters(),
+                               strict=True):
+        assert h.dtype == torch.bfloat16 and m.dtype == torch.float32, name
+        assert torch.equal(h, f.to(torch.bfloat16)) and torch.equal(m, f), name

@@ -1,4 +1,5 @@
-"""The trainer: its protocol and factory, the loss component, eval-mode log-probs, seeded shuffle."""
+"""The trainer: its protocol and factory, the loss component, eval-mode log-probs, seeded shuffle,
+float32 master weights under bfloat16 autocast."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def _restore_global_rngs():
     random.setstate(py)
     np.random.set_state(npy)
     torch.set_rng_state(th)
+
+
+# exact equality of steps and tensors built on the host: the CPU, whatever the machine has
+CPU = PolicySpec(device="cpu")
 
 
 def _batch(n: int, version: int = 0, seed: int = 0, length: tuple[int, int] = (6, 14),
@@ -76,7 +81,7 @@ def test_custom_loss_is_called_once_per_minibatch():
 
 
 def test_log_probs_are_computed_without_dropout():
-    spec = PolicySpec(architecture={**PolicySpec().architecture, "attention_dropout": 0.5})
+    spec = PolicySpec(architecture={**CPU.architecture, "attention_dropout": 0.5}, device="cpu")
     model, tok = load_policy(spec)
     batch = _batch(6, length=(10, 10))  # equal lengths: no padding
     ids, attn = _padded(batch)
@@ -113,7 +118,7 @@ HP = TrainerHParams(minibatches=4, ppo_epochs=2, lr=1e-2)
 
 
 def test_minibatch_order_follows_the_trainer_seed_not_the_global_rng():
-    a, b = policy_trainer(PolicySpec(), HP, seed=7), policy_trainer(PolicySpec(), HP, seed=7)
+    a, b = policy_trainer(CPU, HP, seed=7), policy_trainer(CPU, HP, seed=7)
     random.seed(1)
     sa = a.train_step(_batch(8))
     random.seed(2)
@@ -123,7 +128,7 @@ def test_minibatch_order_follows_the_trainer_seed_not_the_global_rng():
 
 
 def test_checkpoint_restores_the_shuffle_state(tmp_path):
-    a = policy_trainer(PolicySpec(), HP, seed=7)
+    a = policy_trainer(CPU, HP, seed=7)
     a.train_step(_batch(8, seed=0))
     path = a.save_checkpoint(str(tmp_path))
     assert (tmp_path / "policy" / "config.json").exists()
@@ -137,7 +142,7 @@ def test_checkpoint_restores_the_shuffle_state(tmp_path):
     random.seed(1)  # other code on the worker draws from the global RNG meanwhile
     uninterrupted = a.train_step(_batch(8, version=1, seed=1))
 
-    b = policy_trainer(PolicySpec(), HP, seed=99)  # everything must come from the checkpoint
+    b = policy_trainer(CPU, HP, seed=99)  # everything must come from the checkpoint
     assert b.load_checkpoint(path) == 1
     random.seed(2)
     resumed = b.train_step(_batch(8, version=1, seed=1))
@@ -145,3 +150,28 @@ def test_checkpoint_restores_the_shuffle_state(tmp_path):
     assert _weights_equal(a, b)
     b.load_checkpoint(path)  # the global RNGs come back too
     assert (np.random.random(), random.random()) == expected
+
+
+def test_bfloat16_autocast_keeps_float32_weights_and_exports():
+    trainer = policy_trainer(PolicySpec(device="cpu", dtype="bfloat16"), HP, seed=3)
+    assert trainer.autocast == torch.bfloat16 and trainer.device == torch.device("cpu")
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    before = trainer.export_weights()
+    stats = trainer.train_step(_batch(8))
+    after = trainer.export_weights()
+    assert all(np.isfinite(getattr(stats, f)) for f in ("loss", "grad_norm", "tis_mean", "entropy"))
+    assert {v.dtype for v in after.state.values()} == {np.dtype(np.float32)}
+    assert any(not np.array_equal(before.state[k], after.state[k]) for k in after.state)
+    assert policy_trainer(CPU, HP).autocast is None
+
+
+def test_logprobs_are_the_proximal_logprobs_of_a_step():
+    trainer = policy_trainer(CPU, TrainerHParams(minibatches=1, clip_eps=1e-3))
+    batch = _batch(5)
+    logps = trainer.logprobs(batch)
+    assert [len(lp) for lp in logps] == [len(s.token_ids) for s in batch.samples]
+    assert all(lp.dtype == np.float32 and lp[0] == 0.0 for lp in logps)
+    for s, lp in zip(batch.samples, logps, strict=True):  # sampled by these very weights
+        s.behaviour_logprobs = np.where(s.loss_mask, lp, 0.0).astype(np.float32)
+    stats = trainer.train_step(batch)
+    assert stats.kl_behaviour == 0.0 and stats.tis_mean == 1.0 and stats.pg_clipfrac == 0.0
