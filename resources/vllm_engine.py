@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.policy import load_policy, load_tokenizer, stop_token_ids
+from tasks.policy import load_policy, load_tokenizer, stop_token_ids, torch_dtype
 from tasks.records import DecodeOutput, SamplingParams, TurnSample, TurnShape, WeightsSnapshot
 from tasks.specs import PolicySpec
 
@@ -77,7 +77,7 @@ def policy_dir(spec: PolicySpec, root: str | None = None) -> str:
     target = Path(root or tempfile.gettempdir()) / f"rollarc-policy-{key}"
     if (target / "config.json").exists():
         return str(target)
-    model, tokenizer = load_policy(spec)
+    model, tokenizer = load_policy(spec.model_copy(update={"device": "cpu"}), dtype=torch.float32)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -89,11 +89,8 @@ def policy_dir(spec: PolicySpec, root: str | None = None) -> str:
 
 
 def resolve_dtype(spec: PolicySpec) -> str:
-    """The engine's dtype: ``policy.dtype`` when set, else float32 on CPU, bfloat16 on CUDA."""
-    dtype = getattr(spec, "dtype", "auto")
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if torch.cuda.is_available() else "float32"
+    """The engine's dtype, by ``policy.dtype`` (auto: bfloat16 on CUDA, float32 on CPU)."""
+    return str(torch_dtype(spec)).removeprefix("torch.")
 
 
 def build_llm_engine(model_dir: str, *, max_batch: int = 64, max_context: int = 256,

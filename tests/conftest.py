@@ -24,7 +24,7 @@ from tests import ROOT  # noqa: E402
 
 @pytest.fixture(scope="session")
 def policy():
-    return load_policy(PolicySpec())
+    return load_policy(PolicySpec(device="cpu"))  # exact comparisons: float32 on the CPU
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.vllm
 # config/vllm.yaml's policy: head_dim 32, the smallest vLLM's CPU attention takes
 SPEC = PolicySpec(architecture=dict(
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True))
+    num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True),
+    device="cpu", dtype="float32")  # the engine in fp32; the reference model on the CPU
 OBSERVATION = ("You are on a frozen lake. Reach the goal without falling into a hole. "
                "Answer with one word: left, right, up or down.")
 
