@@ -132,9 +132,9 @@ def profile_hf(spec: PolicySpec, grid: Grid, warmup: int, reps: int, console: Co
 # -- vllm -----------------------------------------------------------------------------------------
 def profile_vllm(spec: PolicySpec, grid: Grid, warmup: int, reps: int, console: Console,
                  max_model_len: int) -> tuple[list[Point], ModelSpec, dict[str, Any]]:
-    from resources.vllm_engine import _vllm, build_llm_engine, policy_dir, resolve_dtype
+    from resources.vllm_engine import build_llm_engine, import_vllm, policy_dir, resolve_dtype
 
-    vllm = _vllm()
+    vllm = import_vllm()
     model_dir, dtype = policy_dir(spec), resolve_dtype(spec)
     max_batch = max(grid.batches)
     budget = max(max_batch * max(grid.contexts), max(grid.contexts) + max(grid.chunks))

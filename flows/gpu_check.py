@@ -1,7 +1,7 @@
 """The GPU check: a few train steps of the embedded default mix in one process, with the trainer
 and the inference backend on the GPU, and the figures that say whether that works and how fast.
 
-For each inference backend asked for (``hf``; ``vllm`` through ``resources.vllm_engine`` and
+For each inference backend asked for (``hf``; ``vllm`` through ``resources.vllm_backend`` and
 ``config/vllm.yaml`` when vLLM is installed) it runs :func:`flows.reference.run_reference`, the
 whole recipe without Dask, with its stage functions timed, and reports:
 
@@ -26,7 +26,6 @@ JSON. It runs on a CPU-only machine too (``policy.device: auto`` resolves to the
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
@@ -142,8 +141,6 @@ def vllm_missing() -> str | None:
         import vllm  # noqa: F401
     except Exception as exc:  # an absent package or a broken install: either way, skip
         return f"import vllm failed: {exc.__class__.__name__}: {exc}"
-    if importlib.util.find_spec("resources.vllm_engine") is None:
-        return "resources/vllm_engine.py is missing"
     if not VLLM_CONFIG.exists():
         return f"{VLLM_CONFIG.relative_to(ROOT)} is missing"
     return None

