@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from resources.catalog import HardwareProfile
+from resources.weight_staging import WeightStaging
 from tasks.components import accepts
 from tasks.generation import kv_decode, kv_prefill
 from tasks.policy import kv_geometry, load_policy, stop_token_ids
@@ -93,10 +94,7 @@ class InferenceEngine:
         self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
         self.stats = EngineStats()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
-        self._pending_weights: tuple[dict, int] | None = None
-        self._waiters: list[threading.Event] = []
-        self._weight_error: Exception | None = None
-        self._lock = threading.Lock()
+        self._weights = WeightStaging()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rollarc-engine", daemon=True)
         self._thread.start()
@@ -121,20 +119,7 @@ class InferenceEngine:
         """Stage new weights; the engine thread switches at the next safe point. Returns the
         version in use once switched. Versions only move forward: weights older than those
         staged or in use are skipped, and every waiter is released by the newer switch."""
-        done = threading.Event()
-        with self._lock:
-            newest = self._pending_weights[1] if self._pending_weights else self.version
-            if version > newest:
-                self._pending_weights = (state, version)
-            elif self._pending_weights is None:
-                return self.version  # already at this version or past it
-            self._waiters.append(done)
-        self._queue.put(None)  # wake the engine thread if idle
-        if not done.wait(timeout):
-            raise TimeoutError("engine did not reach a safe point to switch weights")
-        if self._weight_error is not None:
-            err, self._weight_error = self._weight_error, None
-            raise RuntimeError(f"weights v{version} not loaded: {err}") from err
+        self._weights.stage(state, version, self.version, lambda: self._queue.put(None), timeout)
         return self.version
 
     def close(self) -> None:
@@ -142,29 +127,14 @@ class InferenceEngine:
         self._queue.put(None)
 
     # -- engine thread ------------------------------------------------------------------------
-    def _apply_pending_weights(self) -> None:
-        with self._lock:
-            pending, self._pending_weights = self._pending_weights, None
-            waiters, self._waiters = self._waiters, []
-        if pending is None:
-            return
-        state, version = pending
-        try:
-            if version > self.version:  # an older snapshot staged during a switch is skipped
-                tensors = {k: self._on_device(torch.from_numpy(np.asarray(v)))
-                           for k, v in state.items()}
-                missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-                missing = [m for m in missing if not m.endswith("lm_head.weight")]
-                if missing or unexpected:
-                    raise ValueError(f"weights v{version}: missing {missing}, "
-                                     f"unexpected {unexpected}")
-                self.version = version
-                self.stats.weight_loads += 1
-        except Exception as exc:  # keep serving the old weights; the loader sees the error
-            logger.exception("could not switch to weights v%d", version)
-            self._weight_error = exc
-        for done in waiters:
-            done.set()
+    def _load(self, state: dict[str, np.ndarray], version: int) -> None:
+        tensors = {k: self._on_device(torch.from_numpy(np.asarray(v))) for k, v in state.items()}
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights v{version}: missing {missing}, unexpected {unexpected}")
+        self.version = version
+        self.stats.weight_loads += 1
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the model's device, floating point in the model's dtype."""
@@ -173,7 +143,7 @@ class InferenceEngine:
     def _loop(self) -> None:
         while not self._closed:
             first = self._queue.get()
-            self._apply_pending_weights()
+            self._weights.apply(self.version, self._load)
             if first is None:
                 continue
             batch = [first]

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from resources.weight_staging import WeightStaging
 from tasks.policy import load_policy, torch_dtype
 from tasks.specs import PolicySpec
 
@@ -182,9 +183,7 @@ class VLLMEngine:
         self.stats = EngineStats()
         self._incoming: queue.Queue[_Request | None] = queue.Queue()
         self._live: dict[str, _Request] = {}
-        self._pending_weights: tuple[dict, int] | None = None
-        self._waiters: list[threading.Event] = []
-        self._weight_error: Exception | None = None
+        self._weights = WeightStaging()
         self._lock = threading.Lock()
         self._running = threading.Event()  # cleared: paused at the safe point
         self._running.set()
@@ -219,20 +218,8 @@ class VLLMEngine:
                      timeout: float = 600) -> int:
         """Stage new weights; the engine thread loads them at the next safe point. Versions
         only move forward (older ones are skipped). Returns the version in use once loaded."""
-        done = threading.Event()
-        with self._lock:
-            newest = self._pending_weights[1] if self._pending_weights else self.version
-            if version > newest:
-                self._pending_weights = (state, version)
-            elif self._pending_weights is None:
-                return self.version
-            self._waiters.append(done)
-        self._incoming.put(None)  # wake the engine thread if idle
-        if not done.wait(timeout):
-            raise TimeoutError("the vLLM engine did not reach a safe point to load weights")
-        if self._weight_error is not None:
-            err, self._weight_error = self._weight_error, None
-            raise RuntimeError(f"weights v{version} not loaded: {err}") from err
+        self._weights.stage(state, version, self.version, lambda: self._incoming.put(None),
+                            timeout)
         return self.version
 
     def pause(self) -> None:
@@ -254,33 +241,20 @@ class VLLMEngine:
         self._incoming.put(None)
 
     # -- engine thread ------------------------------------------------------------------------
-    def _apply_pending_weights(self) -> None:
-        with self._lock:
-            pending, self._pending_weights = self._pending_weights, None
-            waiters, self._waiters = self._waiters, []
-        if pending is None:
-            return
-        state, version = pending
-        try:
-            if version > self.version:
-                t0 = time.perf_counter()
-                tensors = [(k, torch.from_numpy(np.asarray(v))) for k, v in state.items()]
+    def _load(self, state: dict[str, np.ndarray], version: int) -> None:
+        t0 = time.perf_counter()
+        tensors = [(k, torch.from_numpy(np.asarray(v))) for k, v in state.items()]
 
-                def reload(worker) -> None:  # runs in this process (in-process engine core)
-                    worker.model_runner.reload_weights(weights_iterator=iter(tensors))
+        def reload(worker) -> None:  # runs in this process (in-process engine core)
+            worker.model_runner.reload_weights(weights_iterator=iter(tensors))
 
-                self.engine.collective_rpc(reload)
-                if not self.engine.reset_prefix_cache(reset_running_requests=True):
-                    raise RuntimeError("the prefix cache could not be reset")
-                self.engine.set_weight_version(str(version))
-                self.version = version
-                self.stats.weight_loads += 1
-                self.stats.weight_load_s += time.perf_counter() - t0
-        except Exception as exc:  # keep serving the old weights; the loader sees the error
-            logger.exception("could not load weights v%d", version)
-            self._weight_error = exc
-        for done in waiters:
-            done.set()
+        self.engine.collective_rpc(reload)
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("the prefix cache could not be reset")
+        self.engine.set_weight_version(str(version))
+        self.version = version
+        self.stats.weight_loads += 1
+        self.stats.weight_load_s += time.perf_counter() - t0
 
     def _admit(self, block: bool) -> None:
         """Move waiting requests into vLLM's scheduler (blocking for one when idle)."""
@@ -304,7 +278,7 @@ class VLLMEngine:
 
     def _loop(self) -> None:
         while not self._closed:
-            self._apply_pending_weights()
+            self._weights.apply(self.version, self._load)
             if not self._running.is_set():
                 self._admit(block=False)  # new requests wait in the scheduler too, paused
                 self._running.wait(0.5)
