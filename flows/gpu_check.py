@@ -14,7 +14,7 @@ whole recipe without Dask, with its stage functions timed, and reports:
   exp(trainer - behaviour), 1 when the two agree). In bfloat16 differences of about 1e-2 are
   the expected rounding; far larger ones mean the sampler and the trainer disagree.
 
-vLLM is optional: without it (or without its backend module or config) that part is skipped
+vLLM is optional: without it (or without config/vllm.yaml) that part is skipped
 with the reason printed, and the exit status is that of the rest. The figures go to ``--out`` as
 JSON. It runs on a CPU-only machine too (``policy.device: auto`` resolves to the CPU there).
 
