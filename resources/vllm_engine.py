@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from resources.weight_staging import WeightStaging
-from tasks.policy import load_policy, torch_dtype
+from tasks.policy import load_policy, save_policy, torch_dtype
 from tasks.specs import PolicySpec
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,7 @@ def policy_dir(spec: PolicySpec, root: str | None = None) -> str:
         return str(target)
     model, tokenizer = load_policy(spec.model_copy(update={"device": "cpu"}), dtype=torch.float32)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
+    save_policy(model, tokenizer, staging)
     try:
         staging.rename(target)  # atomic: another worker may have written the same directory
     except OSError:
