@@ -61,9 +61,8 @@ def _turn(backend, cache, new_ids, seed, tokens=6, temperature=1.0):
 def _recomputed(model, ids: list[int], n: int, temperature: float = 1.0) -> np.ndarray:
     """The trainer's log-probs of the last ``n`` of ``ids`` (eval mode, float32)."""
     trainer = PolicyTrainer(model, None, TrainerHParams(temperature=temperature))
-    with torch.no_grad():
-        logp, _ = trainer._logprobs(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
-    return logp[0, -n:].numpy()
+    sample = TrainSample(np.array(ids), np.ones(len(ids), bool), np.zeros(len(ids), np.float32), 0.0)
+    return trainer.logprobs(TrainBatch([sample], 0))[0][-n:]
 
 
 def test_a_batch_of_concurrent_turns_returns_token_ids_and_their_log_probs(backend, policy):
