@@ -77,7 +77,7 @@ class VLLMBackend:
         self.engine, self.tokenizer = engine, tokenizer
         self.stop_ids, self.max_context = list(stop_ids), max_context
         self._turns: dict[int, Counter] = {}  # turn -> prompt and cached tokens
-        self._turns_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
         self.handoff_dir, self.keep_versions = handoff_dir, keep_versions
         self._kvc = None
         if handoff_dir is not None:
@@ -104,7 +104,7 @@ class VLLMBackend:
                                    greedy=True, kv_transfer_params={kvc.STORE: key})
         manifest = kvc.read_manifest(self.handoff_dir, key)
         stored = int(manifest["num_tokens"]) if manifest else 0
-        with self._turns_lock:
+        with self._counters_lock:
             self._handoff.update(stores=1, stored_tokens=stored, store_failures=not stored)
             if stored:
                 self._stored[key] = gen.oldest_version
@@ -141,7 +141,7 @@ class VLLMBackend:
             # a miss (no entry here, or a read error) is recomputed; a prefix cache that
             # already held the whole entry is no failure
             failed = loaded == 0 and gen.cached_tokens < prefilled.stored_tokens
-            with self._turns_lock:
+            with self._counters_lock:
                 self._handoff.update(handoffs=1, loaded_tokens=loaded, failed_loads=failed,
                                      recomputed_tokens=gen.prompt_tokens - gen.cached_tokens)
             if loaded and prefilled.version is not None:
@@ -149,7 +149,7 @@ class VLLMBackend:
         tokens = gen.tokens
         stopped = tokens[-1] in self.stop_ids
         context_full = len(prompt) + len(tokens) >= self.max_context
-        with self._turns_lock:
+        with self._counters_lock:
             self._turns.setdefault(prefilled.turn, Counter()).update(
                 prompt=gen.prompt_tokens, cached=gen.cached_tokens, requests=1)
         sample = TurnSample(
@@ -166,7 +166,7 @@ class VLLMBackend:
 
     def prefix_cache_by_turn(self) -> dict[int, dict[str, float]]:
         """Per turn index: requests, prompt tokens, tokens the prefix cache supplied, hit rate."""
-        with self._turns_lock:
+        with self._counters_lock:
             return {t: dict(c, hit_rate=c["cached"] / c["prompt"] if c["prompt"] else 0.0)
                     for t, c in sorted(self._turns.items())}
 
@@ -179,7 +179,7 @@ class VLLMBackend:
             return {}
         engine_id = str(self.engine.kv_transfer_config.engine_id)
         connector = self._kvc.HANDOFF_STATS.get(engine_id, Counter())
-        with self._turns_lock:
+        with self._counters_lock:
             return dict(self._handoff, **{f"connector_{k}": v for k, v in connector.items()})
 
     def stats(self) -> dict:
@@ -195,7 +195,7 @@ class VLLMBackend:
     def close(self) -> None:
         self.engine.close()
         if self._kvc is not None:  # entries not read by now never will be
-            with self._turns_lock:
+            with self._counters_lock:
                 keys, self._stored = list(self._stored), {}
             for key in keys:
                 self._kvc.remove_entry(self.handoff_dir, key)
