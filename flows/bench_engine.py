@@ -19,7 +19,9 @@ matters is whether the model's form predicts the engine. Backends, all on the co
   with a random past KV of ``context`` tokens and 1 (decode) or ``n`` (prefill) new tokens.
 - ``emulated``: :class:`resources.emulated_engine.EmulatedEngine` running the policy's shape on
   an H800 (bf16, the default MFU/MBU), its real wall time per step divided by ``time_scale``
-  (emulated seconds): a check that it realises its own device model, any overhead in the floor.
+  (emulated seconds): a check that it realises its own device model, whose floor
+  (:attr:`resources.device_model.DeviceModel.step_floor`) the fit should give back, any
+  overhead of the emulation on top of it.
 
 ``--threads`` (default 1) runs the CPU engines on that many threads, unbound: a multi-threaded
 engine on a small machine shared with other processes waits at every parallel region for a
@@ -264,7 +266,8 @@ def profile_emulated(spec: PolicySpec, grid: Grid, warmup: int, reps: int, conso
     return points, model_spec, {
         "engine": "resources.emulated_engine.EmulatedEngine", "profile": EMULATED_PROFILE,
         "time_scale": time_scale, "unit": "emulated seconds (real / time_scale)",
-        "expected": {"floor_s": 0.0, "flops_per_s": device.hw.peak_flops * device.mfu,
+        "expected": {"floor_s": device.step_floor,
+                     "flops_per_s": device.hw.peak_flops * device.mfu,
                      "bytes_per_s": device.hw.mem_bandwidth * device.mbu}}
 
 

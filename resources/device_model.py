@@ -1,22 +1,47 @@
 """The device model: how long a unit of work of a *production* model takes on a hardware profile.
 
-One model, used by everything that needs a device time (the affinity router today; the emulated
-inference backend and the simulator build on it), so they cannot disagree. A roofline: each unit
-takes ``max(FLOPs / (peak x MFU), bytes / (bandwidth x MBU))`` on the engine's devices, with the
-stated MFU and MBU (defaults 0.5 and 0.8: typical of serving and training stacks on Hopper GPUs).
+One model, used by everything that needs a device time (the affinity router, the emulated
+inference backend, the simulator), so they cannot disagree. One engine step takes
 
-- prefill of ``n`` tokens after ``c`` cached ones: ``2 x active params x n`` FLOPs for the
-  weights plus attention over ``c + n/2`` positions on average; it reads the weights once and
-  the ``c`` tokens' KV, and writes the ``n`` new tokens' KV;
+    t = floor + communication(tokens) + max(FLOPs / (peak x MFU), bytes / (bandwidth x MBU))
+
+on the engine's devices, with the stated MFU and MBU (defaults 0.5 and 0.8: typical of serving
+and training stacks on Hopper GPUs). The floor-plus-roofline form is the one the engine profile
+(``flows/bench_engine.py``, :mod:`flows.benchmarks.engine_profile`) fits to a real engine's
+measured step times: its FLOP and byte features are :meth:`DeviceModel.decode_work` and
+:meth:`DeviceModel.prefill_work`, and its fitted floor is :attr:`DeviceModel.step_floor`.
+
+- **floor** (:attr:`DeviceModel.step_floor`): the host work of a step (scheduling, inputs,
+  sampling) plus each layer's kernels at tiny work, more for a MoE layer; the constants and
+  their sources are in :mod:`resources.catalog`. It is what makes one sequence at batch 1 cost
+  several ms per token on a real engine, not the fraction of a ms its bytes take.
+- **communication** (:meth:`DeviceModel.comm_time`), on an engine of more than one device: a
+  tensor-parallel all-reduce of the step's activations (``tokens x hidden x 2`` bytes, a ring:
+  ``2 (g-1)/g`` of them over each device's link) after attention and after the MLP, each with
+  the link's per-call latency; a MoE layer replaces the MLP's all-reduce by an expert-parallel
+  dispatch and combine (all-to-all of each token's ``k`` expert copies, tokens spread evenly
+  over the devices). Within a node over NVLink; an engine of more than 8 devices over RDMA.
+- prefill of ``n`` tokens after ``c`` cached ones: ``2 x active params x n`` FLOPs plus
+  attention over ``c + n/2`` positions on average; it reads the weights its tokens touch and the
+  ``c`` tokens' KV, and writes the ``n`` new tokens' KV;
 - one decode step of a batch: ``2 x active params`` FLOPs per sequence plus attention over its
-  context; it reads the weights (of a MoE, the experts the batch touches) and every sequence's KV;
+  context; it reads the weights and every sequence's KV. A MoE reads its shared (non-expert)
+  weights once per step and the routed experts its tokens touch: of ``E`` experts with ``k`` per
+  token, ``E (1 - (1 - k/E)^T)`` distinct ones per layer are expected for ``T`` tokens routed
+  independently and uniformly (the occupancy of ``E`` bins after ``T`` draws of ``k``; balanced
+  routing is what MoE load-balancing losses train for, Switch Transformer arXiv 2101.03961 §2.2).
+  Expert weights are counted as spread evenly over the devices;
 - a mixed step (chunked prefill plus decodes on one engine, as vLLM schedules them): both works'
-  FLOPs and bytes in one pass, the weights read once;
-- a training step over sequences of ``N`` tokens in all: ``6 x active params x N`` (forward
-  and backward) plus a forward for the proximal log-probs (``2 x``), and each sequence's causal
-  attention, on the trainer pool's devices;
-- a weight broadcast and a KV transfer: bytes over the link between pools (RDMA per GPU), or
-  over NVLink within a node.
+  FLOPs and bytes in one step, the weights read once for all its tokens;
+- a training step (:meth:`DeviceModel.train_step_time`): the proximal log-probs' forward over the
+  batch once, then per PPO epoch a forward and backward (``3 x`` the forward's FLOPs), and an
+  optimizer step per minibatch (AdamW in mixed precision: reading and writing fp32 weights and
+  moments, about 28 bytes per parameter, ZeRO arXiv 1910.02054 §3.1, sharded over the trainer's
+  devices; plus a step floor). Gradient reduction overlaps the backward pass (PyTorch DDP's
+  bucketing, ZeRO's overlapped reduce-scatter) and is not counted;
+- a weight broadcast and a KV transfer: bytes over the link between two engines at the narrower
+  end's bandwidth (each end's devices times its per-device NIC, or NVLink within a node), plus
+  the link's latency.
 
 Per-device memory holds the weights first (sharded over the engine's GPUs); what is left, at
 ``memory_utilization``, holds KV cache and so caps how many sequences run at once.
@@ -24,127 +49,24 @@ Per-device memory holds the weights first (sharded over the engine's GPUs); what
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Annotated, Any
-
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from dataclasses import dataclass
 
 from resources.catalog import HardwareProfile
+from resources.model_specs import PRESETS, ModelName, ModelSpec, model_spec
+
+__all__ = ["PRESETS", "DeviceModel", "Link", "ModelName", "ModelSpec", "model_spec"]
+
+GPUS_PER_NODE = 8  # devices one NVLink domain joins (HGX/DGX servers)
+ACTIVATION_BYTES = 2  # bf16 activations in tensor- and expert-parallel collectives
+ADAM_STEP_BYTES = 28  # per parameter: fp32 weight, m, v read and written, grad read, bf16 write
 
 
-class ModelSpec(BaseModel):
-    """A production model as the device model sees it."""
+@dataclass(frozen=True)
+class Link:
+    """One end of a transfer: its bandwidth (all its devices together, bytes/s) and latency."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(description="Preset name or the config's model_type")
-    params_total: float = Field(gt=0, description="All parameters (what memory holds)")
-    params_active: float = Field(gt=0, description="Parameters one token runs through (MoE: "
-                                 "the routed experts only)")
-    layers: int = Field(default=0, ge=0, description="Transformer layers (0: attention FLOPs "
-                        "not modelled)")
-    q_dim: int = Field(default=0, ge=0, description="Query width: heads x head size")
-    kv_bytes_per_token: float = Field(gt=0, description="KV cache bytes of one token, all layers")
-    bytes_per_param: float = Field(default=2.0, gt=0, description="2 for bf16 weights")
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.params_total * self.bytes_per_param
-
-    def attention_flops(self, tokens: float, positions: float) -> float:
-        """QK^T and AV of ``tokens`` queries over ``positions`` keys each, all layers."""
-        return 4.0 * self.layers * self.q_dim * tokens * positions
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any] | str | Path, kv_bytes: float = 2.0,
-                       bytes_per_param: float = 2.0) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (a path or the parsed dict): parameters counted
-        from the shapes (embeddings, attention, dense or mixture-of-experts MLP, norms), and KV
-        bytes per token from layers x KV heads x head size."""
-        if not isinstance(config, dict):
-            config = json.loads(Path(config).read_text())
-        c = config.get("text_config", config)
-        hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
-        heads = int(c["num_attention_heads"])
-        kv_heads = int(c.get("num_key_value_heads") or heads)
-        head_dim = int(c.get("head_dim") or hidden // heads)
-        vocab = int(c["vocab_size"])
-        attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
-        experts = int(c.get("num_experts") or c.get("num_local_experts")
-                      or c.get("n_routed_experts") or 0)
-        if experts:
-            expert = 3 * hidden * int(c.get("moe_intermediate_size") or c["intermediate_size"])
-            shared = 3 * hidden * int(c.get("shared_expert_intermediate_size") or 0)
-            shared += int(c.get("n_shared_experts") or 0) * expert
-            router = hidden * experts
-            per_layer_total = attn + experts * expert + shared + router
-            per_layer_active = attn + int(c["num_experts_per_tok"]) * expert + shared + router
-        else:
-            per_layer_total = per_layer_active = attn + 3 * hidden * int(c["intermediate_size"])
-        norms = 2 * hidden * layers + hidden
-        embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings", False) else 2)
-        return cls(name=str(c.get("model_type", "hf")),
-                   params_total=layers * per_layer_total + norms + embeddings,
-                   params_active=layers * per_layer_active + norms + embeddings,
-                   layers=layers, q_dim=heads * head_dim,
-                   kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_bytes,
-                   bytes_per_param=bytes_per_param)
-
-
-# Shapes from the models' published config.json files (Hugging Face model cards).
-PRESETS: dict[str, ModelSpec] = {
-    # meta-llama/Llama-3.1-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336
-    "dense-8b": ModelSpec.from_hf_config({
-        "model_type": "dense-8b", "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-        "vocab_size": 128256, "tie_word_embeddings": False}),
-    # Qwen/Qwen2.5-32B: 64 layers, hidden 5120, 40 heads, 8 KV heads, MLP 27648
-    "dense-32b": ModelSpec.from_hf_config({
-        "model_type": "dense-32b", "hidden_size": 5120, "num_hidden_layers": 64,
-        "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 27648,
-        "vocab_size": 152064, "tie_word_embeddings": False}),
-    # Qwen/Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads x 128, 4 KV heads, 128 experts of
-    # 768, 8 routed per token
-    "moe-30b-a3b": ModelSpec.from_hf_config({
-        "model_type": "moe-30b-a3b", "hidden_size": 2048, "num_hidden_layers": 48,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
-    # Qwen/Qwen3-235B-A22B: 94 layers, hidden 4096, 64 heads x 128, 4 KV heads, 128 experts of
-    # 1536, 8 routed per token (the scale of the MoE arXiv 2512.22560 trains on 3,000+ GPUs)
-    "moe-235b-a22b": ModelSpec.from_hf_config({
-        "model_type": "moe-235b-a22b", "hidden_size": 4096, "num_hidden_layers": 94,
-        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
-        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}),
-}
-
-
-def _known_model(name: str) -> str:
-    try:
-        model_spec(name)
-    except (KeyError, OSError, ValueError) as exc:
-        raise ValueError(str(exc).strip("'\"")) from None
-    return name
-
-
-# a config field naming a production model: a preset or a Hugging Face config.json, checked
-# when the config loads
-ModelName = Annotated[str, AfterValidator(_known_model)]
-
-
-def model_spec(name_or_path: str) -> ModelSpec:
-    """A preset by name, or the ``config.json`` of a Hugging Face model directory or file."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise KeyError(f"unknown model {name_or_path!r}: a preset ({sorted(PRESETS)}) or a "
-                       "Hugging Face config.json")
-    return ModelSpec.from_hf_config(path)
+    bandwidth: float
+    latency: float
 
 
 class DeviceModel:
@@ -161,6 +83,39 @@ class DeviceModel:
         return max(flops / (self.hw.peak_flops * self.gpus * self.mfu),
                    bytes_moved / (self.hw.mem_bandwidth * self.gpus * self.mbu))
 
+    # -- floor and communication -----------------------------------------------------------------
+    @property
+    def step_floor(self) -> float:
+        """Seconds every engine step takes whatever its work: the host's step plus each
+        layer's kernels (a MoE layer's more)."""
+        hw, m = self.hw, self.model
+        per_layer = hw.layer_floor_s + (hw.moe_layer_floor_s if m.moe else 0.0)
+        return hw.step_floor_s + m.layers * per_layer
+
+    def _collective(self, nbytes: float) -> float:
+        """One collective call moving ``nbytes`` over each device's link."""
+        hw = self.hw
+        if self.gpus > GPUS_PER_NODE:
+            return hw.network_latency_s + nbytes / hw.network_bandwidth
+        return hw.nvlink_latency_s + nbytes / hw.nvlink_bandwidth
+
+    def comm_time(self, tokens: float) -> float:
+        """Tensor- and expert-parallel communication of one step over ``tokens`` tokens (0 on
+        one device, or when the model's hidden size is not known)."""
+        m, g = self.model, self.gpus
+        if g == 1 or not m.hidden or not m.layers:
+            return 0.0
+        activations = tokens * m.hidden * ACTIVATION_BYTES
+        all_reduce = self._collective(2 * (g - 1) / g * activations)
+        if not m.moe:
+            return m.layers * 2 * all_reduce
+        all_to_all = self._collective(activations * m.experts_per_token * (g - 1) / g / g)
+        return m.layers * (all_reduce + 2 * all_to_all)
+
+    def step_time(self, flops: float, bytes_moved: float, tokens: float) -> float:
+        """One engine step of this work over ``tokens`` tokens: floor, communication, roofline."""
+        return self.step_floor + self.comm_time(tokens) + self._roofline(flops, bytes_moved)
+
     # -- memory ---------------------------------------------------------------------------------
     @property
     def kv_capacity_tokens(self) -> int:
@@ -172,29 +127,56 @@ class DeviceModel:
         """Whether sequences of these context lengths fit in KV memory at once."""
         return sum(contexts) <= self.kv_capacity_tokens
 
-    # -- inference ------------------------------------------------------------------------------
-    def _decode_weight_bytes(self, batch: int) -> float:
-        """Weights a decode step reads: all of a dense model; of a MoE, the experts its batch
-        touches, at most all of them (each sequence routes to ``active`` parameters' worth)."""
+    # -- inference work -------------------------------------------------------------------------
+    def expected_experts(self, tokens: float) -> float:
+        """Distinct routed experts per layer that ``tokens`` tokens touch: ``E (1 - (1 - k/E)^T)``
+        (0 for a dense model)."""
         m = self.model
-        return min(m.params_total, m.params_active * max(batch, 1)) * m.bytes_per_param
+        if not m.moe or tokens <= 0:
+            return 0.0
+        return m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
 
-    def _prefill_work(self, n: int, cached: int) -> tuple[float, float]:
+    def weights_read(self, tokens: float) -> float:
+        """Weight bytes a step over ``tokens`` tokens reads: all of a dense model; of a MoE, the
+        shared weights once and the experts its tokens touch. A MoE spec without expert shapes
+        reads ``active`` parameters per token, at most all."""
+        m = self.model
+        if m.moe:
+            routed = m.layers * self.expected_experts(tokens) * m.expert_params
+            return (m.shared_params + routed) * m.bytes_per_param
+        if m.params_active < m.params_total:
+            return min(m.params_total, m.params_active * max(tokens, 1)) * m.bytes_per_param
+        return m.weight_bytes
+
+    def _prefill_compute(self, n: int, cached: int) -> tuple[float, float]:
+        """FLOPs and KV bytes of a prefill chunk, the weights left out."""
         m = self.model
         flops = 2.0 * m.params_active * n + m.attention_flops(n, cached + n / 2)
         return flops, m.kv_bytes_per_token * (cached + n)
 
-    def _decode_work(self, batch: int, total_context: float) -> tuple[float, float]:
-        """A decode step's work depends on its batch only through its size and the sum of
-        its contexts (what lets the simulator keep a running batch as two numbers)."""
+    def _decode_compute(self, batch: int, total_context: float) -> tuple[float, float]:
+        """FLOPs and KV bytes of a decode step: they depend on its batch only through its size
+        and the sum of its contexts (what lets the simulator keep a running batch as two
+        numbers)."""
         m = self.model
         flops = 2.0 * m.params_active * batch + m.attention_flops(1, total_context)
         return flops, m.kv_bytes_per_token * total_context
 
+    def prefill_work(self, n: int, cached: int = 0) -> tuple[float, float]:
+        """FLOPs and bytes (weights and KV) of one prefill step of ``n`` tokens after
+        ``cached``."""
+        flops, kv = self._prefill_compute(n, cached)
+        return flops, self.weights_read(n) + kv
+
+    def decode_work(self, batch: int, total_context: float) -> tuple[float, float]:
+        """FLOPs and bytes (weights and KV) of one decode step of ``batch`` sequences whose
+        contexts sum to ``total_context``."""
+        flops, kv = self._decode_compute(batch, total_context)
+        return flops, self.weights_read(batch) + kv
+
     def prefill_time(self, n: int, cached: int = 0) -> float:
-        """Seconds to read ``n`` new tokens after ``cached`` ones."""
-        flops, kv = self._prefill_work(n, cached)
-        return self._roofline(flops, self.model.weight_bytes + kv)
+        """Seconds to read ``n`` new tokens after ``cached`` ones, in one step."""
+        return self.step_time(*self.prefill_work(n, cached), n)
 
     def decode_step_time(self, contexts: list[int]) -> float:
         """Seconds of one decode step (one token each) for sequences at these context lengths."""
@@ -205,8 +187,7 @@ class DeviceModel:
         ``total_context``."""
         if batch <= 0:
             return 0.0
-        flops, kv = self._decode_work(batch, total_context)
-        return self._roofline(flops, self._decode_weight_bytes(batch) + kv)
+        return self.step_time(*self.decode_work(batch, total_context), batch)
 
     def mixed_step_time(self, prefills: list[tuple[int, int]], contexts: list[int]) -> float:
         """One engine step running chunked prefills (``(n, cached)`` each) and decodes
@@ -218,36 +199,74 @@ class DeviceModel:
         """:meth:`mixed_step_time` with the decodes given as their number and summed
         contexts."""
         flops = kv = 0.0
+        tokens = batch
         for n, cached in prefills:
-            f, b = self._prefill_work(n, cached)
-            flops, kv = flops + f, kv + b
-        f, b = self._decode_work(batch, total_context) if batch else (0.0, 0.0)
-        weights = self.model.weight_bytes if prefills else self._decode_weight_bytes(batch)
-        return self._roofline(flops + f, weights + kv + b)
+            f, b = self._prefill_compute(n, cached)
+            flops, kv, tokens = flops + f, kv + b, tokens + n
+        if tokens <= 0:
+            return 0.0
+        f, b = self._decode_compute(batch, total_context) if batch else (0.0, 0.0)
+        return self.step_time(flops + f, self.weights_read(tokens) + kv + b, tokens)
 
-    # -- training and transfers ------------------------------------------------------------------
-    def train_step_time(self, sequences: int | list[int]) -> float:
-        """A training step over sequences of these lengths (an int: one sequence): forward and
-        backward (6 x active params per token) plus the proximal log-probs' forward (2 x), and
-        causal attention within each sequence, compute-bound."""
+    # -- training -------------------------------------------------------------------------------
+    def optimizer_step_time(self) -> float:
+        """One AdamW step over every parameter, sharded over the devices, plus a step floor."""
+        nbytes = self.model.params_total * ADAM_STEP_BYTES
+        return self.hw.step_floor_s + nbytes / (self.hw.mem_bandwidth * self.gpus * self.mbu)
+
+    def train_step_time(self, sequences: int | list[int], ppo_epochs: int = 1,
+                        minibatches: int = 1) -> float:
+        """A training step over sequences of these lengths (an int: one sequence): the
+        proximal log-probs' forward once (2 x active params per token plus causal attention
+        within each sequence), then ``ppo_epochs`` passes of forward and backward (3 x the
+        forward), compute-bound, with an optimizer step per minibatch of each pass. Every
+        forward or backward pass pays the layers' kernel floor."""
+        if ppo_epochs < 1 or minibatches < 1:
+            raise ValueError("ppo_epochs and minibatches are at least 1")
         m = self.model
         lengths = [sequences] if isinstance(sequences, int) else list(sequences)
-        tokens = sum(lengths)
-        flops = 8.0 * m.params_active * tokens + 4 * sum(m.attention_flops(n, 0.5 * n)
-                                                         for n in lengths)
-        return flops / (self.hw.peak_flops * self.gpus * self.mfu)
+        forward = 2.0 * m.params_active * sum(lengths) + sum(
+            m.attention_flops(n, 0.5 * n) for n in lengths)
+        compute = forward * (1 + 3 * ppo_epochs) / (self.hw.peak_flops * self.gpus * self.mfu)
+        updates = ppo_epochs * minibatches
+        kernels = (1 + 2 * updates) * (self.step_floor - self.hw.step_floor_s)
+        return compute + kernels + updates * self.optimizer_step_time()
 
-    def transfer_time(self, nbytes: float, within_node: bool = False) -> float:
-        """Bytes from this engine's devices to another pool's: RDMA per GPU across nodes, or
-        NVLink within one, spread over the engine's devices."""
-        link = self.hw.nvlink_bandwidth if within_node else self.hw.network_bandwidth
-        return nbytes / (link * self.gpus)
+    # -- transfers ------------------------------------------------------------------------------
+    def link(self, within_node: bool = False) -> Link:
+        """This engine's end of a transfer: NVLink within a node, else each device's RDMA NIC."""
+        hw = self.hw
+        if within_node:
+            return Link(hw.nvlink_bandwidth * self.gpus, hw.nvlink_latency_s)
+        return Link(hw.network_bandwidth * self.gpus, hw.network_latency_s)
 
-    def kv_transfer_time(self, tokens: int, within_node: bool = False) -> float:
-        """The KV of ``tokens`` tokens handed from a prefill engine to a decode engine."""
-        return self.transfer_time(tokens * self.model.kv_bytes_per_token, within_node)
+    def _peer_link(self, peer: DeviceModel | Link | int, within_node: bool) -> Link:
+        if isinstance(peer, DeviceModel):
+            return peer.link(within_node)
+        if isinstance(peer, Link):
+            return peer
+        mine = self.link(within_node)
+        return Link(mine.bandwidth / self.gpus * peer, mine.latency)
 
-    def weight_broadcast_time(self, within_node: bool = False) -> float:
+    def transfer_time(self, nbytes: float, within_node: bool = False,
+                      peer: DeviceModel | Link | int | None = None) -> float:
+        """Bytes between this engine and ``peer`` (the other end: its device model, its
+        :class:`Link`, or its device count on this profile; None: an end like this one) at the
+        narrower end's bandwidth, plus the slower end's latency."""
+        a = self.link(within_node)
+        b = a if peer is None else self._peer_link(peer, within_node)
+        return max(a.latency, b.latency) + nbytes / min(a.bandwidth, b.bandwidth)
+
+    def kv_transfer_time(self, tokens: int, within_node: bool = False,
+                         peer: DeviceModel | Link | int | None = None) -> float:
+        """The KV of ``tokens`` tokens handed between this engine and ``peer`` (the other
+        end, sender or receiver: the narrower one sets the bandwidth)."""
+        if tokens <= 0:
+            return 0.0
+        return self.transfer_time(tokens * self.model.kv_bytes_per_token, within_node, peer)
+
+    def weight_broadcast_time(self, within_node: bool = False,
+                              peer: DeviceModel | Link | int | None = None) -> float:
         """The trainer's weights to one inference engine (a pipelined broadcast to many takes
         about as long as to one)."""
-        return self.transfer_time(self.model.weight_bytes, within_node)
+        return self.transfer_time(self.model.weight_bytes, within_node, peer)

@@ -1,19 +1,22 @@
 """The engine profile's grid, features, fits and report (``flows/bench_engine.py`` measures).
 
-The device model (:mod:`resources.device_model`) says a unit of inference work takes
-``max(FLOPs / F, bytes / B)`` on an engine. Whether that *shape* predicts a real engine is
-checked here on measured step times: a decode step of a batch at a context length, and a prefill
-chunk of ``n`` tokens after ``c`` cached ones. The features of each point are the device model's
-own work terms (``DeviceModel._decode_work`` / ``_prefill_work`` and the weight bytes it adds), so
-what is fitted is the project's model, not a new one. Two forms are fitted on one half of the grid
-and checked on the other, both minimising *relative* error (times span orders of magnitude):
+The device model (:mod:`resources.device_model`) says one engine step takes
+``floor + communication + max(FLOPs / F, bytes / B)``. Whether that *shape* predicts a real
+engine is checked here on measured step times: a decode step of a batch at a context length, and
+a prefill chunk of ``n`` tokens after ``c`` cached ones. The features of each point are the device
+model's own work terms (:meth:`DeviceModel.decode_work` / :meth:`DeviceModel.prefill_work`: FLOPs,
+and the bytes of the weights its tokens touch and of the KV), so what is fitted is the project's
+model, not a new one. Two forms are fitted on one half of the grid and checked on the other, both
+minimising *relative* error (times span orders of magnitude):
 
-- **roofline**: ``t = floor + max(flops / F, bytes / B)`` (``scipy.optimize.least_squares``);
+- **roofline**: ``t = floor + max(flops / F, bytes / B)``, the device model's own form
+  (``scipy.optimize.least_squares``);
 - **additive**: ``t = floor + flops / F + bytes / B`` (non-negative least squares).
 
-A per-step floor stands for what the device model leaves out (scheduling, kernel launches, Python);
-there is no tensor-parallel term (one device). A coefficient fitted to zero means that term is
-not resolved by the grid: its throughput is reported as ``None`` (unbounded).
+The fitted floor is the engine's :attr:`DeviceModel.step_floor` (host step plus each layer's
+kernels); an engine profiled here runs on one device, so there is no communication term. A
+coefficient fitted to zero means that term is not resolved by the grid: its throughput is
+reported as ``None`` (unbounded).
 
 The split is a checkerboard: a decode point is fitted when its batch index plus its context index
 is even, a prefill point when its chunk index plus context index is; the rest are held out. Every
@@ -105,10 +108,8 @@ def split(points: list[Point], grid: Grid) -> None:
 def work(device: DeviceModel, kind: str, size: int, kv_context: float) -> tuple[float, float]:
     """The device model's FLOPs and bytes of one step, as its ``*_time`` methods count them."""
     if kind == "decode":
-        flops, kv = device._decode_work(size, size * kv_context)
-        return flops, device._decode_weight_bytes(size) + kv
-    flops, kv = device._prefill_work(size, round(kv_context))
-    return flops, device.model.weight_bytes + kv
+        return device.decode_work(size, size * kv_context)
+    return device.prefill_work(size, round(kv_context))
 
 
 def featurize(points: list[Point], device: DeviceModel) -> None:

@@ -55,12 +55,14 @@ def _synthetic(form: str, floor: float, flops_per_s: float, bytes_per_s: float,
 
 
 def test_features_are_the_device_models_work_terms():
-    """A roofline fit with the device's own throughputs and no floor gives back
-    DeviceModel.decode_step_time and prefill_time exactly."""
+    """A roofline fit with the device's own floor and throughputs gives back
+    DeviceModel.decode_step_time and prefill_time exactly: the profile fits the model's form."""
     dev = DeviceModel(TINY, get_profile("H800"))
+    assert dev.step_floor > 0
     points = _grid_points(Grid())
     featurize(points, dev)
-    own = Fit("roofline", 0.0, dev.hw.peak_flops * dev.mfu, dev.hw.mem_bandwidth * dev.mbu)
+    own = Fit("roofline", dev.step_floor, dev.hw.peak_flops * dev.mfu,
+              dev.hw.mem_bandwidth * dev.mbu)
     for p in points:
         expected = (dev.decode_step_time([p.context] * p.size) if p.kind == "decode"
                     else dev.prefill_time(p.size, p.context))
