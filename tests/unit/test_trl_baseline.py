@@ -1,0 +1,134 @@
+"""The TRL baseline (flows/benchmarks/trl_baseline.py): its multi-turn rollout encodes turns as
+RollArc does and scores them as the reward service does, a short TRL run writes RollArc's metric
+rows, and the figures and comparison read them. Skipped without the ``trl`` extra."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from flows.benchmarks import trl_baseline as tb  # noqa: E402
+from flows.config import load_config  # noqa: E402
+from tasks.components import instantiate  # noqa: E402
+from tasks.policy import encode_first_turn, encode_next_turn, load_policy  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_rngs():
+    """Sampling and TRL seed the process-wide RNGs; leave them as they were."""
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(th)
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["policy.device=cpu", "trainer.groups_per_step=2", *overrides])
+
+
+def _turns(ids: list[int], mask: list[int]) -> list[tuple[list[int], list[int]]]:
+    """A completion cut into (sampled tokens, environment tokens after them) per turn."""
+    turns: list[tuple[list[int], list[int]]] = []
+    for tok, m in zip(ids, mask, strict=True):
+        if m and (not turns or turns[-1][1]):
+            turns.append(([], []))
+        turns[-1][1 - m].append(tok)
+    return turns
+
+
+def test_rollout_is_rollarcs_turn_encoding_and_reward():
+    cfg = _cfg()
+    model, tokenizer = load_policy(cfg.policy, dtype=torch.float32)
+    rollout = tb.MultiTurnRollout(cfg, tokenizer)
+    trainer = SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    groups = tb.group_prompts(cfg, steps=1)
+    prompts = [p for p in groups for _ in range(cfg.env_tasks[0].group_size)]
+    torch.manual_seed(0)
+    out = rollout(prompts, trainer)
+    scores = tb.reward_scorer(cfg)(prompts, None, score_request=out["score_request"])
+    tasks = {t.name: t for t in cfg.env_tasks}
+    assert len(out["prompt_ids"]) == len(prompts) == len(scores)
+    for i, prompt in enumerate(prompts):
+        group = json.loads(prompt)
+        env = instantiate(tasks[group["env_task"]].env)
+        text, _ = env.reset(seed=group["seed"])
+        assert out["prompt_ids"][i] == encode_first_turn(tokenizer, text)
+        expected, returns = [], 0.0
+        for sampled, env_ids in _turns(out["completion_ids"][i], out["env_mask"][i]):
+            text, reward, terminated, truncated, _ = env.step(tokenizer.decode(
+                [t for t in sampled if t != tokenizer.eos_token_id], skip_special_tokens=True))
+            returns += reward
+            done = terminated or truncated
+            expected += sampled + ([] if done else encode_next_turn(tokenizer, text, sampled))
+            assert (env_ids == []) == done
+        assert out["completion_ids"][i] == expected
+        assert scores[i] == pytest.approx(returns)  # the verifier replays what the env paid
+        # the sampler's log-probs are what the policy gives its tokens at the temperature
+        ids = torch.tensor([out["prompt_ids"][i] + out["completion_ids"][i]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1] / rollout.sampling.temperature
+        logp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(out["env_mask"][i], dtype=torch.bool)
+        got = torch.tensor(out["logprobs"][i])[mask]
+        assert torch.allclose(got, logp[len(out["prompt_ids"][i]) - 1:][mask], atol=1e-4)
+    assert {json.loads(p)["group_id"] for p in prompts} == {json.loads(g)["group_id"] for g in groups}
+
+
+def test_groups_follow_rollarcs_draw_and_lr_decays_by_policy_version():
+    cfg = _cfg("trainer.max_steps=10")
+    rows = [json.loads(p) for p in tb.group_prompts(cfg, steps=10)]
+    assert len(rows) == 20 and len({r["group_id"] for r in rows}) == 20
+    assert {r["env_task"] for r in rows} <= {t.name for t in cfg.env_tasks}
+    assert rows == [json.loads(p) for p in tb.group_prompts(cfg, steps=10)]  # seeded
+    factor, mb = tb.lr_factor(cfg), cfg.trainer.hparams.minibatches
+    assert [factor(k) for k in range(mb)] == [1.0] * mb  # one lr per policy version
+    assert factor(10 * mb) == pytest.approx(cfg.trainer.hparams.lr_final_ratio)
+    assert factor(5 * mb) == pytest.approx(1 - (1 - cfg.trainer.hparams.lr_final_ratio) / 2)
+    with pytest.raises(ValueError, match="one group size"):
+        tb.group_prompts(_cfg("env_tasks.0.group_size=4"), steps=1)
+
+
+def test_a_short_trl_run_writes_rollarcs_metric_rows(tmp_path):
+    cfg = _cfg("trainer.max_steps=2", "seed=1")
+    figures = tb.run_baseline(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in rows] == [1, 2]
+    assert 0 < rows[0]["perf/elapsed_s"] < rows[1]["perf/elapsed_s"]
+    assert all(0 <= v <= 1 for r in rows for k, v in r.items() if k.endswith("/success"))
+    saved = json.loads((tmp_path / "trl_baseline.json").read_text())
+    assert saved == figures and saved["steps"] == 2 and len(saved["step_s"]) == 2
+    assert saved["trl_version"].startswith("1.")
+
+
+def test_figures_find_the_first_three_step_mean_at_target():
+    succ = [0.5, 0.9, 0.8, 0.6, 0.9, 0.95]
+    rows = [{"train/step": i + 1, "perf/elapsed_s": 2.0 * (i + 1), tb.SUCCESS_KEY: s}
+            for i, s in enumerate(succ)]
+    f = tb.run_figures(rows)
+    assert f["step_s"] == [2.0] * 6 and f["s_per_step"] == 2.0
+    assert (f["step_to_target"], f["s_to_target"]) == (6, 12.0)  # (0.6 + 0.9 + 0.95) / 3
+    assert tb.run_figures(rows[:5])["step_to_target"] is None
+
+
+def test_comparison_calls_a_gain_only_when_every_seed_agrees():
+    def run(system, seed, s):
+        return {"system": system, "seed": seed, "s_per_step": s, "step_to_target": None,
+                "s_to_target": None}
+
+    console = SimpleNamespace(print=lambda *a, **k: None)
+    faster = tb.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
+                                run("rollarc", 1, 1.5), run("trl", 1, 2.0)], console)
+    assert faster["ratios"]["s_per_step"]["verdict"] == "rollarc faster"
+    assert faster["ratios"]["s_per_step"]["median"] == pytest.approx(0.625)
+    mixed = tb.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
+                               run("rollarc", 1, 3.0), run("trl", 1, 2.0)], console)
+    assert mixed["ratios"]["s_per_step"]["verdict"] == "no difference beyond the spread"
+    assert "s_to_target" not in mixed["ratios"]
