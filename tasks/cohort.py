@@ -10,16 +10,57 @@ member's failure never fails the others.
 
 Members refer to earlier results by ``(list, index)`` pairs: Dask resolves the future inside the
 pair to the earlier cohort's result list, and :func:`pick` takes the member's element.
+
+A cohort is not a barrier. A stage task returns once a member is done and either no other member
+finished within ``grace_s`` after the last one, or the first one done has waited
+:data:`HOLD_FRACTION` of its own stage time (at least ``2 x grace_s``): members finishing in the
+engine's consecutive batched forward passes leave together, a straggler holds no one. The
+members still running go on in the background on that worker and come back as
+:class:`Deferred` markers, which the later stages pass through; the driver picks them up with
+:func:`collect` on the same worker, which returns under the same rule. The engine, not the
+cohort, batches the forward passes. ``grace_s=None`` keeps a stage waiting for every member (a
+barrier per cohort per turn: the baseline the benchmark measures it with).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 _POOL = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rollarc-cohort")
+# members still running after their stage task returned, by handle: (registered at, {index:
+# future}); taken by ``collect``. Entries nobody collects (a driver that gave up on them) are
+# dropped after PENDING_TTL_S.
+_PENDING: dict[str, tuple[float, dict[int, Future]]] = {}
+_PENDING_LOCK = threading.Lock()
+PENDING_TTL_S = 3600.0
+# the most a finished member waits for its mates, as a share of its own stage time
+HOLD_FRACTION = 0.25
+
+
+class Phase(Enum):
+    """The stage a deferred member was still running."""
+
+    ENV_RESET = "env_reset"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ENV_STEP = "env_step"
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A member still running ``phase`` in the background on the worker that returned this:
+    :func:`collect` there with ``handle`` and ``index`` takes its result."""
+
+    phase: Phase
+    handle: str
+    index: int
 
 
 @dataclass
@@ -56,11 +97,73 @@ def _guard(fn: Callable[[int], Any], i: int) -> Any:
         return MemberError.of(exc)
 
 
-def each(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """``fn(i)`` for every member, concurrently when there are several."""
+def each(fn: Callable[[int], Any], n: int, phase: Phase | None = None,
+         grace_s: float | None = None) -> list[Any]:
+    """``fn(i)`` for every member, concurrently when there are several. With ``grace_s``, the
+    members not done when the task returns (see the module docstring) are :class:`Deferred`
+    markers of ``phase``."""
     if n == 1:
         return [_guard(fn, 0)]
-    return list(_POOL.map(lambda i: _guard(fn, i), range(n)))
+    started = time.monotonic()
+    futures = {i: _POOL.submit(_guard, fn, i) for i in range(n)}
+    if grace_s is None or phase is None:
+        return [futures[i].result() for i in range(n)]
+    return _drain(futures, phase, uuid.uuid4().hex, grace_s, started)
+
+
+def _drain(futures: dict[int, Future], phase: Phase, handle: str, grace_s: float,
+           started: float) -> list[Any]:
+    """The results of ``futures`` (index -> future) in index order, under the rule of the
+    module docstring; the rest as markers, registered under ``handle``."""
+    pending = set(futures.values())
+    _done, pending = wait(pending, return_when=FIRST_COMPLETED)
+    first = time.monotonic()
+    deadline = first + max(2 * grace_s, HOLD_FRACTION * (first - started))
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        more, pending = wait(pending, timeout=min(grace_s, left), return_when=FIRST_COMPLETED)
+        if not more:
+            break
+    later = {i: f for i, f in futures.items() if not f.done()}
+    if later:
+        now = time.monotonic()
+        with _PENDING_LOCK:
+            for h in [h for h, (at, _f) in _PENDING.items() if now - at > PENDING_TTL_S]:
+                del _PENDING[h]
+            _PENDING[handle] = (now, later)
+    return [Deferred(phase, handle, i) if i in later else f.result()
+            for i, f in sorted(futures.items())]
+
+
+def collect(handle: str, indices: list[int], phase: Phase, grace_s: float) -> list[Any]:
+    """The deferred members ``indices`` of ``handle``, aligned with ``indices``, under the same
+    rule as a stage (those still running stay deferred). A handle this worker does not hold
+    (it restarted) fails those members with a reason."""
+    with _PENDING_LOCK:
+        _at, held = _PENDING.get(handle, (0.0, {}))
+        futures = {i: held[i] for i in indices if i in held}
+    missing = [i for i in indices if i not in futures]
+    out = dict.fromkeys(missing, MemberError(
+        f"DeferredLost: {phase.value} of this member is not held here any more"))
+    if futures:
+        drained = _drain(futures, phase, handle, grace_s, time.monotonic())
+        with _PENDING_LOCK:  # what _drain registered again is still pending; the rest is taken
+            _at, held = _PENDING.get(handle, (0.0, {}))
+            for i, f in futures.items():
+                if f.done():
+                    held.pop(i, None)
+            if not held:
+                _PENDING.pop(handle, None)
+        out |= dict(zip(sorted(futures), drained, strict=True))
+    return [out[i] for i in indices]
+
+
+def pending_members() -> int:
+    """Members of this worker still running in the background (for tests and reports)."""
+    with _PENDING_LOCK:
+        return sum(len(f) for _at, f in _PENDING.values())
 
 
 def _shape(shape: Any) -> dict:
@@ -69,39 +172,43 @@ def _shape(shape: Any) -> dict:
     return {"shape": shape} if shape is not None else {}
 
 
-def _failed(*values: Any) -> MemberError | None:
-    return next((v for v in values if isinstance(v, MemberError)), None)
+def _failed(*values: Any) -> MemberError | Deferred | None:
+    """An input that ends the member's stage at once: an earlier failure, or an earlier stage
+    still running (passed on to the driver)."""
+    return next((v for v in values if isinstance(v, MemberError | Deferred)), None)
 
 
 def env_reset_many(registry, tokenizer, reset_fn, specs: list[dict], seeds: list[int],
-                   instance_ids: list[str], system_prompt: str | None) -> list:
+                   instance_ids: list[str], system_prompt: str | None,
+                   grace_s: float | None = None) -> list:
     return each(lambda i: reset_fn(registry, tokenizer, specs[i], seeds[i], instance_ids[i],
-                                   system_prompt), len(specs))
+                                   system_prompt), len(specs), Phase.ENV_RESET, grace_s)
 
 
-def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: list) -> list:
+def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: list,
+                 grace_s: float | None = None) -> list:
     def one(i):
         past, obs = pick(pasts[i]), pick(observations[i])
         return _failed(past, obs) or prefill_fn(backend, past, obs, **_shape(shapes[i]))
 
-    return each(one, len(observations))
+    return each(one, len(observations), Phase.PREFILL, grace_s)
 
 
 def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, seeds: list,
-                shapes: list) -> list:
+                shapes: list, grace_s: float | None = None) -> list:
     def one(i):
         past = pick(pasts[i])
         return _failed(prefilled[i], past) or decode_fn(backend, prefilled[i], past, params[i],
                                                         seeds[i], **_shape(shapes[i]))
 
-    return each(one, len(prefilled))
+    return each(one, len(prefilled), Phase.DECODE, grace_s)
 
 
 def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,
-                  decoded: list) -> list:
+                  decoded: list, grace_s: float | None = None) -> list:
     def one(i):
         obs = pick(observations[i])
         return _failed(obs, decoded[i]) or step_fn(registry, tokenizer, obs,
                                                    response_fn(decoded[i]))
 
-    return each(one, len(decoded))
+    return each(one, len(decoded), Phase.ENV_STEP, grace_s)

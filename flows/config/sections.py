@@ -78,6 +78,14 @@ class RolloutConfig(Section):
     cohort_max: int = Field(
         default=64, ge=1, description="Turns ready at once on the same workers go as one task "
         "per stage, this many trajectories at most (1: a task per trajectory and turn)")
+    cohort_barrier: bool = Field(
+        default=False, description="A cohort's stage waits for every member (a barrier per "
+        "cohort per turn: the baseline the benchmark measures it with); false: members leave "
+        "as they finish, the rest go on in the background and are collected")
+    cohort_grace_s: float = Field(
+        default=0.05, ge=0, description="Wall seconds a cohort's stage waits, after a member "
+        "finished, for mates finishing in the engine's next forward pass; a finished member "
+        "waits at most 2 x this or a quarter of its own stage time (tasks.cohort)")
     cohort_per_env_task: bool = Field(
         default=False, description="A cohort holds one env task, so every task's Dask span "
         "names its env task (exact time per env task in Fine Performance Metrics) at the cost "

@@ -52,10 +52,24 @@ class RolloutRecord:
     handle: EnvHandle | None = None
     virtual_tokens: int = 0
     last_shape: Any = None  # the TurnShape of the turn in flight (None: real lengths)
+    # the turn in flight, kept for the continuation of a stage left running: its cohort's
+    # workers (a CohortKey), the cache and observation it reads, when it was submitted
+    turn_key: Any = None
+    turn_past: Any = None
+    turn_obs: Any = None
+    turn_submitted: float = 0.0
 
     @property
     def evaluation(self) -> bool:
         return self.eval_round is not None
+
+    def turn_key_workers(self) -> set[str]:
+        """The workers the turn in flight runs on or reads its cache from."""
+        key = self.turn_key
+        held = {self.kv_worker} if self.kv_worker else set()
+        if key is None:
+            return held
+        return {key.env_worker, key.prefill_worker, key.decode_worker} | held
 
     def reset_record(self) -> None:
         self.turn = 0

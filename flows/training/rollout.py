@@ -11,7 +11,9 @@ Turns that are ready at the same moment on the same workers go as one *cohort*
 them, their members run side by side inside it. A Dask task costs about a millisecond of
 orchestration whatever it computes, so this is what lets the embedded default's millisecond
 turns run at the speed of a single-process loop; ``cohort_max: 1`` submits every trajectory's
-turn on its own. The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard
+turn on its own. A cohort is no barrier: a stage returns with the members done, the others go
+on in the background and the driver continues them as soon as the stage's answer reaches it
+(``rollout.cohort_barrier: true`` makes every stage wait for all its members instead). The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard
 groups them by stage and a restarted trajectory never picks up an old key's result. Every change
 of a trajectory's state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`.
 """
@@ -32,11 +34,11 @@ from flows.training.episode import RolloutRecord, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.training.orchestration import PoolWorkers
 from flows.training.turn_placement import ResponseLengths, TurnPlan, place_turn
-from flows.training.turn_tasks import Cohort, CohortKey, TurnLog, TurnTasks
+from flows.training.turn_tasks import Cohort, CohortKey, Resume, TurnLog, TurnTasks
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
 from resources.pools import Tag
-from tasks.cohort import MemberError
+from tasks.cohort import Deferred, MemberError, Phase
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
@@ -93,7 +95,11 @@ class RolloutDriver:
         self._ready: list[RolloutRecord] = []  # next turn to submit (rec.next_obs; None: reset)
         self._cohorts: dict[str, Cohort] = {}  # by the key of its env_step
         self.tasks = TurnTasks(client, stages, self.spans, key_tag, cfg.seed,
-                               cfg.policy.system_prompt, self.env_specs)
+                               cfg.policy.system_prompt, self.env_specs,
+                               None if cfg.rollout.cohort_barrier else cfg.rollout.cohort_grace_s)
+        # members a stage left running, to continue with the next flush: by (stage, handle),
+        # each with its index under the handle
+        self._resumes: dict[tuple[Phase, str], list[tuple[RolloutRecord, int]]] = {}
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.restarts: Counter[str] = Counter()  # trajectories restarted, by the reason
         self.lost_workers: set[str] = set()
@@ -204,7 +210,7 @@ class RolloutDriver:
                             plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         size = self.cfg.rollout.cohort_max
-        futures = []
+        futures = self._continue()
         for key, members in groups.items():
             for i in range(0, len(members), size):
                 recs = [rec for rec, _ in members[i:i + size]]
@@ -214,6 +220,20 @@ class RolloutDriver:
                                            params)
                 self._cohorts[cohort.step.key] = cohort
                 futures.append(cohort.step)
+        return futures
+
+    def _continue(self) -> list[Future]:
+        """Submit the continuations of the members stages left running, on their workers."""
+        resumes, self._resumes = self._resumes, {}
+        futures = []
+        for (phase, handle), members in resumes.items():
+            recs = [rec for rec, _ in members]
+            params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
+                      for r in recs]
+            cohort = self.tasks.cohort(recs[0].turn_key, recs, [r.last_shape for r in recs],
+                                       params, Resume(phase, handle, [i for _, i in members]))
+            self._cohorts[cohort.step.key] = cohort
+            futures.append(cohort.step)
         return futures
 
     # -- faults -----------------------------------------------------------------------------
@@ -231,6 +251,12 @@ class RolloutDriver:
                 lost.append(cohort.step)
         self.tasks.forget_closes_on(worker)
         out = TurnOutcome()
+        for phase_handle, members in list(self._resumes.items()):
+            if worker in members[0][0].turn_key_workers():
+                del self._resumes[phase_handle]
+                for rec, _ in members:
+                    self._release(rec)
+                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
         waiting, self._ready = self._ready, []
         held, self._held = self._held, []
         for recs, keep in ((waiting, self._ready), (held, self._held)):
@@ -298,6 +324,9 @@ class RolloutDriver:
         out = TurnOutcome()
         for tid, res in zip(cohort.traj_ids, results, strict=True):
             rec = self.live[tid]
+            if isinstance(res, Deferred):  # still running there: continued with the next flush
+                self._resumes.setdefault((res.phase, res.handle), []).append((rec, res.index))
+                continue
             self._release(rec)
             if isinstance(res, MemberError):
                 self._member_failed(rec, res.error, out, reason)
@@ -339,8 +368,9 @@ class RolloutDriver:
     def _release_barrier(self) -> None:
         """Batch-level environment handling (a baseline): the held turns go on together once
         no training trajectory has a turn in flight."""
+        resumed = [rec for members in self._resumes.values() for rec, _ in members]
         if self._held and not any(not self.live[t].evaluation for c in self._cohorts.values()
-                                  for t in c.traj_ids):
+                                  for t in c.traj_ids) and all(r.evaluation for r in resumed):
             self._ready.extend(self._held)
             self._held = []
 
@@ -385,7 +415,7 @@ class RolloutDriver:
     def close_all(self) -> None:
         """An aborted run: close every live trajectory's environment instance; nothing more is
         submitted."""
-        self._ready, self._held = [], []
+        self._ready, self._held, self._resumes = [], [], {}
         for rec in list(self.live.values()):
             self.close_env(rec)
             rec.handle = None

@@ -3,7 +3,10 @@
 with one slot of its stage's resource; and the environment closes of ended trajectories.
 
 Futures are the tasks' arguments, so the cache handle moves worker to worker and never through
-the driver, which waits on the cohort's ``env_step`` alone. Keys are
+the driver, which waits on the cohort's ``env_step`` alone. Members a stage left running in the
+background (:mod:`tasks.cohort`) come back as markers; :meth:`TurnTasks.cohort` with a
+:class:`Resume` continues them: a ``collect`` on the worker running them (its key carries the
+stage's name, so the dashboard shows it as that stage), then the later stages. Keys are
 ``"{stage}-{trajectory}-{turn}-{attempt}"`` for a single trajectory and
 ``"{stage}-c{cohort}-{members}-0"`` for a cohort, each ending with the run's key tag.
 :class:`flows.training.rollout.RolloutDriver` decides what to submit; this submits it.
@@ -21,8 +24,16 @@ from flows.monitoring.monitor import StageSpans
 from flows.training.episode import RolloutRecord
 from flows.training.orchestration import decode_seed
 from resources.pools import Stage, Tag, submit_on
-from resources.worker import with_backend, with_envs, with_registry
-from tasks.cohort import close_after, decode_many, env_reset_many, env_step_many, prefill_many
+from resources.worker import plain, with_backend, with_envs, with_registry
+from tasks.cohort import (
+    Phase,
+    close_after,
+    collect,
+    decode_many,
+    env_reset_many,
+    env_step_many,
+    prefill_many,
+)
 from tasks.records import SamplingParams, TurnShape
 from tasks.stages import Stages
 
@@ -43,14 +54,29 @@ class CohortKey:
     decode_tag: Tag
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A continuation of members a stage left running: ``phase`` under ``handle`` on its
+    worker, each member at its index there."""
+    phase: Phase
+    handle: str
+    indices: list[int]
+
+
+# a turn's stages in order, with the Dask stage of each
+PHASES = (Phase.ENV_RESET, Phase.PREFILL, Phase.DECODE, Phase.ENV_STEP)
+PHASE_STAGE = {Phase.ENV_RESET: Stage.ENV_RESET, Phase.PREFILL: Stage.PREFILL,
+               Phase.DECODE: Stage.DECODE, Phase.ENV_STEP: Stage.ENV_STEP}
+
+
 @dataclass
 class Cohort:
-    """One cohort's turn in flight."""
+    """One cohort's turn in flight (or the continuation of some of its members)."""
     traj_ids: list[int]
     suffix: str  # of its tasks' keys
-    submitted: float  # wall clock
+    submitted: float  # wall clock, of the turn (a continuation keeps its members' turn's)
     step: Future  # its env_step: what the driver waits on
-    decode: Future
+    decode: Future | None  # None: a continuation past its decode
     workers: frozenset[str]  # every worker it runs on or reads a cache from
     env_task: str
 
@@ -59,10 +85,13 @@ class TurnTasks:
     """Submits the turns' and the closes' tasks of one rollout driver; counts them by stage."""
 
     def __init__(self, client: Client, stages: Stages, spans: StageSpans, key_tag: str,
-                 run_seed: int, system_prompt: str | None, env_specs: dict[str, dict]):
+                 run_seed: int, system_prompt: str | None, env_specs: dict[str, dict],
+                 grace_s: float | None = None):
         """``env_specs``: each env task's environment (the driver's table, which
-        ``replace_env`` changes in place)."""
+        ``replace_env`` changes in place); ``grace_s``: how long a stage holds a finished
+        member for its mates (None: until every member is done, a barrier)."""
         self.client, self.stages, self.spans, self.key_tag = client, stages, spans, key_tag
+        self.grace_s = grace_s
         self.run_seed, self.system_prompt, self.env_specs = run_seed, system_prompt, env_specs
         self.submitted: dict[str, int] = {}  # tasks by stage
         self._next_cohort = 0
@@ -76,49 +105,72 @@ class TurnTasks:
             return submit_on(self.client, worker, stage, adapter, fn, *args, key=key, tag=tag)
 
     def cohort(self, key: CohortKey, recs: list[RolloutRecord], shapes: list[TurnShape | None],
-               params: list[SamplingParams]) -> Cohort:
-        """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members."""
+               params: list[SamplingParams], resume: Resume | None = None) -> Cohort:
+        """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members; or,
+        with ``resume``, a ``collect`` of the stage they were left running, then the rest."""
         # the span of the cohort's tasks: its env task, or "mixed" when it holds several
         env_task = recs[0].env_task.name
         if any(r.env_task.name != env_task for r in recs):
             env_task = MIXED_SPAN
-        if len(recs) == 1:
+        if len(recs) == 1 and resume is None:
             r = recs[0]
             suffix = f"{r.traj_id}-{r.turn}-{r.attempt}{self.key_tag}"
         else:
             suffix = f"c{self._next_cohort}-{len(recs)}-0{self.key_tag}"
         self._next_cohort += 1
+        if resume is None:  # a new turn: what it reads, kept for its continuations
+            now = time.time()
+            for r in recs:
+                r.turn_key, r.turn_past, r.turn_submitted = key, r.last_decode, now
+                r.turn_obs = r.next_obs
+        first = (resume.phase if resume else Phase.ENV_RESET if key.fresh else Phase.PREFILL)
+        runs = set(PHASES[PHASES.index(first):])
+        workers = {Phase.ENV_RESET: (key.env_worker, None),
+                   Phase.PREFILL: (key.prefill_worker, key.prefill_tag),
+                   Phase.DECODE: (key.decode_worker, key.decode_tag),
+                   Phase.ENV_STEP: (key.env_worker, None)}
+
+        def submit(phase: Phase, adapter, fn, *args) -> Future:
+            worker, tag = workers[phase]
+            stage = PHASE_STAGE[phase]
+            if resume is not None and phase is resume.phase:
+                adapter, fn, args = plain, collect, (resume.handle, resume.indices, phase,
+                                                     self.grace_s or 0.0)
+            else:
+                args = (*args, self.grace_s)
+            return self._submit(stage, adapter, fn, *args, worker=worker, tag=tag,
+                                key=f"{stage}-{suffix}", env_task=env_task)
+
         st = self.stages
-        reset = None
-        if key.fresh:
-            reset = self._submit(
-                Stage.ENV_RESET, with_envs, env_reset_many, st.env_reset,
-                [self.env_specs[r.env_task.name] for r in recs], [r.seed for r in recs],
-                [r.handle.instance_id for r in recs], self.system_prompt,
-                worker=key.env_worker, key=f"env_reset-{suffix}", env_task=env_task)
-            observations = [(reset, i) for i in range(len(recs))]
-        else:
-            observations = [r.next_obs for r in recs]
-        pasts = [r.last_decode for r in recs]
-        pre = self._submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts,
-                           observations, shapes, worker=key.prefill_worker, tag=key.prefill_tag,
-                           key=f"prefill-{suffix}", env_task=env_task)
-        seeds = [decode_seed(self.run_seed, r.traj_id, r.turn, r.attempt) for r in recs]
-        dec = self._submit(Stage.DECODE, with_backend, decode_many, st.decode, pre, pasts,
-                           params, seeds, shapes, worker=key.decode_worker, tag=key.decode_tag,
-                           key=f"decode-{suffix}", env_task=env_task)
-        step = self._submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
-                            observations, dec, worker=key.env_worker, key=f"env_step-{suffix}",
-                            env_task=env_task)
+        if Phase.ENV_RESET in runs:
+            reset = submit(Phase.ENV_RESET, with_envs, env_reset_many, st.env_reset,
+                           [self.env_specs[r.env_task.name] for r in recs],
+                           [r.seed for r in recs], [r.handle.instance_id for r in recs],
+                           self.system_prompt)
+            for i, r in enumerate(recs):
+                r.turn_obs = (reset, i)
+                r.env_reset = reset  # until the turn comes back, a close must wait for it
+        observations = [r.turn_obs for r in recs]
+        pasts = [r.turn_past for r in recs]
+        dec = None
+        if Phase.DECODE in runs:
+            pre = None
+            if Phase.PREFILL in runs:
+                pre = submit(Phase.PREFILL, with_backend, prefill_many, st.prefill, pasts,
+                             observations, shapes)
+            seeds = [decode_seed(self.run_seed, r.traj_id, r.turn, r.attempt) for r in recs]
+            dec = submit(Phase.DECODE, with_backend, decode_many, st.decode, pre, pasts,
+                         params, seeds, shapes)
+            for i, r in enumerate(recs):
+                r.last_decode = (dec, i)  # the member's cache: element i of the decode
+                r.kv_worker = key.decode_worker
+        step = submit(Phase.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
+                      observations, dec)
         # the workers holding the members' caches so far are needed too
-        workers = {key.env_worker, key.prefill_worker, key.decode_worker} | {
+        held = {key.env_worker, key.prefill_worker, key.decode_worker} | {
             r.kv_worker for r in recs if r.kv_worker}
-        for i, r in enumerate(recs):
-            r.last_decode = (dec, i)  # the member's cache: element i of the cohort's decode
-            r.kv_worker = key.decode_worker
-            r.env_reset = reset  # until the turn comes back, a close must wait for it
-        return Cohort([r.traj_id for r in recs], suffix, time.time(), step, dec,
-                      frozenset(workers), env_task)
+        return Cohort([r.traj_id for r in recs], suffix, recs[0].turn_submitted, step, dec,
+                      frozenset(held), env_task)
 
     # -- environment closes ------------------------------------------------------------------
     def close_env(self, rec: RolloutRecord) -> Future:
@@ -157,6 +209,34 @@ class TurnTasks:
                            failed[0].exception())
 
 
+@dataclass(frozen=True)
+class TurnWork:
+    """What one finished turn asked of the devices and the environment, in the lengths the
+    driver submitted (a :class:`tasks.records.TurnShape`'s virtual tokens; the real ones
+    without a shape): the work a benchmark's lower bound prices."""
+
+    trajectory: str  # "trajectory-attempt"
+    turn: int
+    env_task: str
+    prompt_tokens: int  # new tokens the prefill read
+    cached_tokens: int  # context before them (the trajectory's earlier turns)
+    response_tokens: int  # tokens the decode generated
+    env_latency_s: float  # the environment step's remote latency, emulated (unscaled) seconds
+
+    @classmethod
+    def of(cls, rec: RolloutRecord, obs) -> TurnWork:
+        """The turn ``rec`` just finished with ``obs`` (before ``rec`` records it)."""
+        shape: TurnShape | None = rec.last_shape
+        if shape is not None:
+            prompt, response, cached = (shape.prompt_tokens, shape.response_tokens,
+                                        rec.virtual_tokens)
+        else:
+            prompt, response = len(obs.consumed_ids), len(obs.sample.token_ids)
+            cached = len(rec.tokens)
+        return cls(f"{rec.traj_id}-{rec.attempt}", rec.turn, rec.env_task.name, prompt, cached,
+                   response, float(obs.info.get("remote_latency_s", 0.0)))
+
+
 class TurnLog:
     """The turns that came back: running totals always, each turn only with
     ``metrics.task_stream`` (a long run's log would grow without end)."""
@@ -167,6 +247,7 @@ class TurnLog:
         # waits within, and "trajectory-attempt": the benchmark subtracts the tasks' compute
         # intervals to get the orchestration overhead
         self.each: list[tuple[str, float, float, float, str]] = []
+        self.work: list[TurnWork] = []  # per turn, in the order of ``each``
         self.totals = [0, 0.0, 0.0]  # turns, wall seconds, emulated-wait seconds
         self.env_seconds = 0.0  # environment step time, summed
 
@@ -181,3 +262,4 @@ class TurnLog:
         if self.keep_each:
             self.each.append((cohort.suffix, cohort.submitted, now, waited,
                               f"{rec.traj_id}-{rec.attempt}"))
+            self.work.append(TurnWork.of(rec, obs))
