@@ -9,9 +9,17 @@ an :class:`resources.emulated_engine.EmulatedEngine` decides how long the work *
 - **virtual lengths**: each turn carries a :class:`tasks.records.TurnShape` (the prompt tokens
   it reads, the response tokens it generates) drawn by the flows from the env task's workload;
   the real tokens stand for them. Without a shape the real lengths are used.
-- KV hand-offs take their transfer time: the conversation's KV from the engine that decoded the
-  last turn to the prefill engine, and the new tokens' KV from there to the decode engine (as
-  the ``hf`` backend moves them); new weights pause the engine for a weight broadcast.
+- KV hand-offs take their transfer time, at the narrower end's bandwidth (each handle carries
+  the :class:`resources.device_model.Link` of the engine holding its KV): the conversation's KV
+  from the engine that decoded the last turn to the prefill engine, and the new tokens' KV from
+  there to the decode engine (as the ``hf`` backend moves them); new weights pause the engine
+  for a weight broadcast.
+- **KV held while the trajectory waits for its environment**: a decode leaves the conversation's
+  KV held on its engine (:class:`resources.emulated_engine.EmulatedEngine`, counted against the
+  KV capacity, evicted oldest first under memory pressure and then recomputed) under a key its
+  :class:`EmulatedCache` names; the next turn's request on that engine resumes it, and the hold
+  is released when the last handle to it on that worker is dropped (the trajectory ended, or
+  its KV moved on and Dask released the copy there).
 
 :class:`DeviceEmulation` (``engine.device``) configures the engines and, through
 :func:`device_of`, the emulated trainer (:mod:`resources.emulated_trainer`) too; the emulated
@@ -25,13 +33,15 @@ Emulated seconds reported in ``stats()`` are unscaled (production seconds).
 from __future__ import annotations
 
 import time
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from resources.catalog import HardwareProfile
-from resources.device_model import DeviceModel, ModelName, model_spec
+from resources.device_model import DeviceModel, Link, ModelName, model_spec
 from resources.emulated_engine import EmulatedEngine
 from tasks.records import DecodeOutput, SamplingParams, TurnShape
 from tasks.specs import PolicySpec
@@ -63,6 +73,8 @@ class EmulatedCache:
     inner: Any
     virtual_tokens: int
     engine_id: str = ""  # the engine holding this KV (where the turn decoded)
+    kv_key: str = ""  # the key its KV is held under on that engine
+    link: Link | None = None  # that engine's end of a KV transfer
 
     def __sizeof__(self) -> int:
         import sys
@@ -79,11 +91,16 @@ class EmulatedPrefill:
     new_tokens: int  # virtual tokens read: their KV moves if decode runs elsewhere
     context: int  # virtual context after the prefill
     waited_s: float = 0.0  # real seconds the prefill waited on the emulated engine
+    link: Link | None = None  # the prefill engine's end of a KV transfer
 
     def __sizeof__(self) -> int:
         import sys
 
         return sys.getsizeof(self.inner) + 64
+
+
+def _held_key(cache: EmulatedCache | None) -> str | None:
+    return cache.kv_key or None if cache is not None else None
 
 
 class EmulatedBackend:
@@ -105,11 +122,16 @@ class EmulatedBackend:
         t0 = time.perf_counter()
         if cache is not None and cache.engine_id != self.engine_id:
             # the conversation's KV comes from the engine that decoded the last turn
-            seconds = self.engine.device.kv_transfer_time(cached)
-            self.engine.stats.kv_transfer_s += seconds
-            self.engine.sleep(seconds)
-        self.engine.prefill(n, cached)
-        return EmulatedPrefill(out, self.engine_id, n, cached + n, time.perf_counter() - t0)
+            self._receive(cached, cache.link)
+        self.engine.prefill(n, cached, resume=_held_key(cache))
+        return EmulatedPrefill(out, self.engine_id, n, cached + n, time.perf_counter() - t0,
+                               self.engine.device.link())
+
+    def _receive(self, tokens: int, sender: Link | None) -> None:
+        """Wait for ``tokens`` tokens' KV from ``sender``, at the narrower end's bandwidth."""
+        seconds = self.engine.device.kv_transfer_time(tokens, peer=sender)
+        self.engine.stats.kv_transfer_s += seconds
+        self.engine.sleep(seconds)
 
     def decode(self, prefilled: EmulatedPrefill, cache: EmulatedCache | None,
                params: SamplingParams, seed: int, shape: TurnShape | None = None) -> DecodeOutput:
@@ -117,21 +139,24 @@ class EmulatedBackend:
         if prefilled.engine_id != self.engine_id:  # the new tokens' KV crosses the network
             moved = prefilled.new_tokens
             if cache is not None and cache.engine_id != self.engine_id:
-                moved = prefilled.context  # ... and the context's, from where it last decoded
-            seconds = self.engine.device.kv_transfer_time(moved)
-            self.engine.stats.kv_transfer_s += seconds
-            self.engine.sleep(seconds)
+                moved = prefilled.context  # ... and the context's: this engine has none of it
+            self._receive(moved, prefilled.link)
         waited = time.perf_counter() - t0
         out = self.inner.decode(prefilled.inner, cache.inner if cache is not None else None,
                                 params, seed, shape=shape)
         n = shape.response_tokens if shape is not None else len(out.sample.token_ids)
         t0 = time.perf_counter()
-        self.engine.decode(prefilled.context, n)
+        key = uuid.uuid4().hex
+        self.engine.decode(prefilled.context, n, hold=key, resume=_held_key(cache))
         waited += time.perf_counter() - t0
         out.sample.virtual_tokens = prefilled.new_tokens + n
         out.sample.emulated_wait_s = prefilled.waited_s + waited
-        return DecodeOutput(EmulatedCache(out.cache, prefilled.context + n, self.engine_id),
-                            out.sample)
+        handle = EmulatedCache(out.cache, prefilled.context + n, self.engine_id, key,
+                               self.engine.device.link())
+        # the held KV lives as long as this handle on this worker (a copy Dask moves elsewhere
+        # is another object, without this finalizer)
+        weakref.finalize(handle, self.engine.release, key).atexit = False
+        return DecodeOutput(handle, out.sample)
 
     def load_weights(self, snapshot) -> int:
         version = self.inner.load_weights(snapshot)

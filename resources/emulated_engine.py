@@ -11,6 +11,17 @@ makes the calling task wait that long, by sleeping (no core is burned):
   holds its slot for as many steps as its response is long.
 - **KV memory** caps the batch: a request reserves its context's KV when it is admitted and
   frees it when it leaves; requests that do not fit wait in FIFO order.
+- **KV held while a trajectory waits for its environment**: a request given ``hold=key`` leaves
+  its KV (context and new tokens) on the engine under ``key`` when it finishes, counted against
+  the KV capacity, until a later request with ``resume=key`` is admitted here (its reservation
+  takes the held tokens over: only its new tokens need room), or ``release(key)`` (the
+  trajectory ended, or its KV moved elsewhere and the last handle to it here was dropped). Held
+  KV does not block admissions: when the FIFO head needs room, the KV held longest is evicted
+  first (vLLM's prefix cache likewise reallocates its least recently used free blocks, its
+  "Automatic Prefix Caching" design), and a request resuming evicted KV first recomputes it (a
+  prefill of the evicted tokens, chunked like any other) before its own work. Memory pressure
+  so costs recomputation, never a stall. :class:`resources.sim_engine.SimEngine` holds and
+  evicts by the same rule.
 - **pauses**: a weight load, or a train step of colocated training, holds the engine between
   two steps.
 
@@ -24,7 +35,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from resources.device_model import DeviceModel
@@ -36,6 +48,9 @@ class _Work:
     left: int  # prefill: tokens still to read; decode: tokens still to generate
     context: int  # prefill: tokens cached before its next chunk; decode: current context
     kv_tokens: int  # KV reserved while it runs
+    hold: Hashable | None = None  # leave the KV held under this key when done
+    resume: Hashable | None = None  # take over (or recompute) the KV held under this key
+    then_decode: int = 0  # a decode recomputing evicted KV: tokens to generate after it
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
 
@@ -56,6 +71,10 @@ class EngineStats:
     kv_transfer_s: float = 0.0  # hand-offs received (they wait on the link, not the engine)
     max_running: int = 0
     max_waiting: int = 0
+    kv_held_max: int = 0  # most tokens of KV held for waiting trajectories at once
+    kv_resumed: int = 0  # requests that found their KV still held
+    kv_evictions: int = 0
+    kv_recomputed_tokens: int = 0  # evicted tokens read again by the requests resuming them
 
 
 class EmulatedEngine:
@@ -79,6 +98,9 @@ class EmulatedEngine:
         self._pause_s = 0.0
         self._pause_done: list[threading.Event] = []
         self._reserved = 0
+        self._held: OrderedDict[Hashable, int] = OrderedDict()  # key -> tokens, oldest first
+        self._held_tokens = 0
+        self._evicted: dict[Hashable, int] = {}  # key -> tokens evicted, until resumed/released
         self._arrivals = 0  # requests and pauses asked for so far: an interruptible wait ends
         self._admitted_at = 0  # ... when one came after the last admission
         self._closed = False
@@ -86,15 +108,29 @@ class EmulatedEngine:
         self._thread.start()
 
     # -- called from task threads ---------------------------------------------------------------
-    def prefill(self, tokens: int, cached: int = 0) -> None:
-        """Read ``tokens`` new tokens after ``cached`` ones; returns when the engine has."""
+    def prefill(self, tokens: int, cached: int = 0, hold: Hashable | None = None,
+                resume: Hashable | None = None) -> None:
+        """Read ``tokens`` new tokens after ``cached`` ones; returns when the engine has.
+        ``hold``/``resume``: the KV held while a trajectory waits (module docstring)."""
         if tokens > 0:
-            self._submit(_Work(True, tokens, cached, cached + tokens))
+            self._submit(_Work(True, tokens, cached, cached + tokens, hold, resume))
 
-    def decode(self, context: int, tokens: int) -> None:
+    def decode(self, context: int, tokens: int, hold: Hashable | None = None,
+               resume: Hashable | None = None) -> None:
         """Generate ``tokens`` tokens after a context of ``context``; returns when done."""
         if tokens > 0:
-            self._submit(_Work(False, tokens, context, context + tokens))
+            self._submit(_Work(False, tokens, context, context + tokens, hold, resume))
+
+    def release(self, key: Hashable) -> None:
+        """Free the KV held under ``key`` (and forget that it was evicted); safe to repeat."""
+        with self._cond:
+            self._held_tokens -= self._held.pop(key, 0)
+            self._evicted.pop(key, None)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of KV held now for trajectories between requests."""
+        return self._held_tokens
 
     def pause(self, seconds: float, training: bool = False) -> None:
         """Hold the engine for ``seconds`` (unscaled) between two steps: a weight load, or a
@@ -139,16 +175,54 @@ class EmulatedEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_seqs:
             w = self._waiting[0]
-            if self._reserved + w.kv_tokens > self.capacity:
-                break  # FIFO: the head waits for memory, the rest wait behind it
+            own = self._held.get(w.resume, 0) if w.resume is not None else 0
+            over = self._reserved + self._held_tokens - own + w.kv_tokens - self.capacity
+            if over > self._held_tokens - own:
+                break  # FIFO: the head waits for running requests' memory, the rest behind it
+            if over > 0:
+                self._evict(over, keep=w.resume)
             self._waiting.popleft()
+            self._resume(w)
             self._reserved += w.kv_tokens
             self._running.append(w)
         self.stats.max_running = max(self.stats.max_running, len(self._running))
 
+    def _evict(self, tokens: int, keep: Hashable | None) -> None:
+        """Evict held KV, oldest first (never ``keep``'s), until ``tokens`` are free."""
+        freed = 0
+        for key in list(self._held):
+            if freed >= tokens:
+                break
+            if key == keep:
+                continue
+            n = self._held.pop(key)
+            self._held_tokens -= n
+            self._evicted[key] = n
+            freed += n
+            self.stats.kv_evictions += 1
+
+    def _resume(self, w: _Work) -> None:
+        """An admitted request takes over its held KV, or recomputes it if it was evicted."""
+        if w.resume is None:
+            return
+        if w.resume in self._held:
+            self._held_tokens -= self._held.pop(w.resume)
+            self.stats.kv_resumed += 1
+        elif w.resume in self._evicted:
+            lost = min(self._evicted.pop(w.resume), w.context)
+            if not w.prefill:  # read the lost context first, then decode
+                w.prefill, w.then_decode, w.left = True, w.left, 0
+            w.left += lost
+            w.context -= lost
+            self.stats.kv_recomputed_tokens += lost
+
     def _finish(self, w: _Work) -> None:
         self._running.remove(w)
         self._reserved -= w.kv_tokens
+        if w.hold is not None:  # the reservation stays, as the trajectory's held KV
+            self._held_tokens += w.kv_tokens - self._held.pop(w.hold, 0)
+            self._held[w.hold] = w.kv_tokens
+            self.stats.kv_held_max = max(self.stats.kv_held_max, self._held_tokens)
         w.done.set()
 
     def _wait(self, seconds: float, interruptible: bool) -> float:
@@ -221,7 +295,9 @@ class EmulatedEngine:
             self._advance(decodes, 1)
             with self._cond:
                 for w, _ in chunks:
-                    if w.left <= 0:
+                    if w.left <= 0 and w.then_decode:  # recomputed: now decode
+                        w.prefill, w.left, w.then_decode = False, w.then_decode, 0
+                    elif w.left <= 0:
                         self._finish(w)
             return
         # decode only: the batch holds until its shortest request ends or someone arrives

@@ -2,8 +2,10 @@
 
 :class:`EmulatedTrainer` wraps the real trainer (the tokens and gradients are real): each step
 runs, then waits the device-model time of a training step over the batch's virtual tokens
-(:func:`resources.emulated.sequence_lengths`) on the trainer pool's GPUs; exporting weights
-waits a weight broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
+(:func:`resources.emulated.sequence_lengths`) on the trainer pool's GPUs, with the trainer's
+``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
+(:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
+broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ class EmulatedTrainer:
     """A :class:`tasks.trainer.Trainer` whose steps and weight exports take device-model time
     on the trainer pool's GPUs (real steps run first: the tokens and gradients are real)."""
 
-    def __init__(self, inner, device: DeviceModel, time_scale: float = 1.0):
+    def __init__(self, inner, device: DeviceModel, time_scale: float = 1.0, ppo_epochs: int = 1,
+                 minibatches: int = 1):
         self.inner, self.device, self.time_scale = inner, device, time_scale
+        self.ppo_epochs, self.minibatches = ppo_epochs, minibatches
         self.busy_s = 0.0  # unscaled seconds of emulated work
+
+    def step_seconds(self, batch: TrainBatch) -> float:
+        """Unscaled device seconds of one training step over ``batch``."""
+        return self.device.train_step_time(sequence_lengths(batch.samples), self.ppo_epochs,
+                                           self.minibatches)
 
     @property
     def version(self) -> int:
@@ -33,7 +42,7 @@ class EmulatedTrainer:
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         stats = self.inner.train_step(batch)
-        seconds = self.device.train_step_time(sequence_lengths(batch.samples))
+        seconds = self.step_seconds(batch)
         self._spend(seconds)
         stats.seconds += seconds * self.time_scale
         return stats

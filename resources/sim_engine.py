@@ -7,13 +7,21 @@ decodes as mixed steps, decode-only runs up to the next finish, cut at a step bo
 arrival, weight loads and colocated training as pauses between steps), with step times from
 :class:`resources.device_model.DeviceModel`; instead of sleeping it schedules its step ends on a
 :class:`Clock`. :mod:`flows.simulation.simulator` drives these with the flow's decisions.
+
+KV memory while a trajectory waits for its environment is **held**, by the emulated engine's
+rule: a request submitted with ``hold=key`` leaves its KV on the engine under ``key`` when it
+finishes, counted against the KV capacity, until a request with ``resume=key`` is admitted here
+(it takes the held tokens over) or ``release(key)``; when the FIFO head needs room the KV held
+longest is evicted first, and a request resuming evicted KV recomputes it (a prefill of the
+evicted tokens) before its own work.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +110,9 @@ class _Req:
     kv: int
     done: Any  # callback
     finish_step: int = 0  # decode: the engine's decode-step count at which it ends
+    hold: Hashable | None = None  # leave the KV held under this key when done
+    resume: Hashable | None = None  # take over (or recompute) the KV held under this key
+    then_decode: int = 0  # a decode recomputing evicted KV: tokens to generate after it
 
 
 class SimEngine:
@@ -126,6 +137,11 @@ class SimEngine:
         self.ctx_base = 0  # sum over decodes of (context at admission - step at admission)
         self.step = 0  # decode steps run so far (every running decode advances together)
         self.reserved = 0
+        self.held: OrderedDict[Hashable, int] = OrderedDict()  # key -> tokens, oldest first
+        self.held_tokens = 0
+        self.held_max = 0
+        self.evicted: dict[Hashable, int] = {}  # key -> tokens evicted, until resumed/released
+        self.resumed = self.evictions = self.recomputed_tokens = 0
         self.pauses: list[tuple[float, Any]] = []
         self.busy_s = 0.0
         self.training_s = 0.0
@@ -134,15 +150,24 @@ class SimEngine:
         self._stepping = False
 
     # -- callers -----------------------------------------------------------------------------
-    def submit(self, prefill: bool, tokens: int, context: int, done) -> None:
+    def submit(self, prefill: bool, tokens: int, context: int, done,
+               hold: Hashable | None = None, resume: Hashable | None = None) -> None:
+        """A prefill of ``tokens`` after ``context`` cached, or a decode of ``tokens`` after a
+        context of ``context``; ``done()`` when it ends. ``hold``/``resume``: the KV held while
+        a trajectory waits (module docstring)."""
         if tokens <= 0:
             done()
             return
         kv = context + tokens
         if kv > self.capacity:
             raise ValueError(f"a request of {kv} tokens' KV never fits on {self.name}")
-        self.waiting.append(_Req(prefill, tokens, context, kv, done))
+        self.waiting.append(_Req(prefill, tokens, context, kv, done, hold=hold, resume=resume))
         self._arrival()
+
+    def release(self, key: Hashable) -> None:
+        """Free the KV held under ``key`` (and forget that it was evicted); safe to repeat."""
+        self.held_tokens -= self.held.pop(key, 0)
+        self.evicted.pop(key, None)
 
     def pause(self, seconds: float, done=None, training: bool = False) -> None:
         self.pauses.append((seconds, done))
@@ -172,14 +197,54 @@ class SimEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.prefills) + self.n_dec < self.max_seqs:
             r = self.waiting[0]
-            if self.reserved + r.kv > self.capacity:
-                break  # FIFO: the head waits for memory
+            own = self.held.get(r.resume, 0) if r.resume is not None else 0
+            over = self.reserved + self.held_tokens - own + r.kv - self.capacity
+            if over > self.held_tokens - own:
+                break  # FIFO: the head waits for running requests' memory
+            if over > 0:
+                self._evict(over, keep=r.resume)
             self.waiting.popleft()
+            self._resume(r)
             self.reserved += r.kv
             if r.prefill:
                 self.prefills.append(r)
             else:
                 self._add_decode(r)
+
+    def _evict(self, tokens: int, keep: Hashable | None) -> None:
+        """Evict held KV, oldest first (never ``keep``'s), until ``tokens`` are free."""
+        freed = 0
+        for key in list(self.held):
+            if freed >= tokens:
+                break
+            if key == keep:
+                continue
+            n = self.held.pop(key)
+            self.held_tokens -= n
+            self.evicted[key] = n
+            freed += n
+            self.evictions += 1
+
+    def _resume(self, r: _Req) -> None:
+        """An admitted request takes over its held KV, or recomputes it if it was evicted."""
+        if r.resume is None:
+            return
+        if r.resume in self.held:
+            self.held_tokens -= self.held.pop(r.resume)
+            self.resumed += 1
+        elif r.resume in self.evicted:
+            lost = min(self.evicted.pop(r.resume), r.context)
+            if not r.prefill:  # read the lost context first, then decode
+                r.prefill, r.then_decode, r.left = True, r.left, 0
+            r.left += lost
+            r.context -= lost
+            self.recomputed_tokens += lost
+
+    def _keep(self, r: _Req) -> None:
+        """A finished request's reservation stays as its trajectory's held KV."""
+        self.held_tokens += r.kv - self.held.pop(r.hold, 0)
+        self.held[r.hold] = r.kv
+        self.held_max = max(self.held_max, self.held_tokens)
 
     def _add_decode(self, r: _Req) -> None:
         r.finish_step = self.step + r.left
@@ -236,9 +301,15 @@ class SimEngine:
             r.context += n
         self._advance(1)
         for r, _ in chunks:
-            if r.left <= 0:
+            if r.left <= 0 and r.then_decode:  # recomputed: now decode
+                self.prefills.remove(r)
+                r.prefill, r.left, r.then_decode = False, r.then_decode, 0
+                self._add_decode(r)
+            elif r.left <= 0:
                 self.prefills.remove(r)
                 self.reserved -= r.kv
+                if r.hold is not None:
+                    self._keep(r)
                 r.done()
         self._plan()
 
@@ -254,4 +325,6 @@ class SimEngine:
             self.n_dec -= 1
             self.ctx_base -= r.context - (r.finish_step - r.left)
             self.reserved -= r.kv
+            if r.hold is not None:
+                self._keep(r)
             r.done()

@@ -142,8 +142,10 @@ class RollArcWorkerPlugin(WorkerPlugin):
 
                     device = device_of(self.hardware, self.trainer_gpus or self.gpus,
                                        DeviceEmulation(**self.emulation["device"]))
+                    hp = TrainerHParams(**self.hparams)
                     self._trainer = EmulatedTrainer(self._trainer, device,
-                                                    self.emulation["time_scale"])
+                                                    self.emulation["time_scale"],
+                                                    hp.ppo_epochs, hp.minibatches)
             return self._trainer
 
     def reward_client(self, lambda_function: str):
