@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from dataclasses import asdict
 from typing import TYPE_CHECKING, TypedDict
 
 from flows.training.lifecycle import TrajState
@@ -85,6 +86,8 @@ def summary(run: TrainingRun) -> RunSummary:
         (run.run_dir / "task_stream.json").write_text(json.dumps(
             {"tasks": client.run_on_scheduler(task_stream_snapshot),
              "turns": [t for d in drivers for t in d.turns.each],
+             # each turn's virtual lengths and environment latency, in the order of "turns"
+             "turn_work": [asdict(w) for d in drivers for w in d.turns.work],
              "workers": {a: pool_of.get(a, a) for a in reports}}))
     written = run.checkpoints.seconds
     account: RunSummary = {
