@@ -4,6 +4,9 @@ reward, an environment and a stage defined right here replace the package's own.
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import numpy as np
 import pytest
 
@@ -13,6 +16,7 @@ from flows.monitoring.metrics import read_metrics
 from flows.reference import run_reference
 from flows.training.lifecycle import RunFailing, TrajState
 from tasks.env_steps import env_step
+from tasks.envs.frozenlake import FrozenLakeText
 from tasks.stages import Stages
 from tasks.trainer import train_step
 from tests import QUIET, ROOT
@@ -260,3 +264,46 @@ def test_the_flow_and_the_simulator_take_their_decisions_from_one_run_core(tmp_p
                                ["trainer.max_steps=3"])  # 4 groups of 8 a step, unpatched
     result = run_sim(cfg, sim)
     assert result.steps == 3 and result.trajectories["trained"] == 3 * 8
+
+
+class SlowOnes(FrozenLakeText):
+    """FrozenLake where every fourth instance's steps take a quarter of a second (a sandbox
+    that answers slowly): the stragglers of a cohort."""
+
+    made = itertools.count()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.slow = next(SlowOnes.made) % 4 == 0
+
+    def step(self, action):
+        if self.slow:
+            time.sleep(0.25)
+        return super().step(action)
+
+
+def test_a_cohorts_straggler_holds_no_one_unless_the_barrier_baseline_is_asked_for(tmp_path):
+    """Members of one cohort come back as each finishes: a fast member's turn answers before
+    its slow mate's. With rollout.cohort_barrier every member of a cohort answers at once."""
+    import json
+
+    def answers_per_cohort_turn(barrier: bool) -> list[int]:
+        run_dir = tmp_path / f"barrier-{barrier}"
+        cfg = load_config(overrides=[*QUIET, "mode=sync", "trainer.max_steps=1",
+                                     "trainer.groups_per_step=2", "reward.backend=local",
+                                     "cluster.processes=false", "metrics.task_stream=true",
+                                     f"rollout.cohort_barrier={str(barrier).lower()}"])
+        task = cfg.env_tasks[0]
+        cfg.env_tasks = [task.model_copy(update={
+            "env": {**task.env, "_component_": SlowOnes, "max_turns": 3}, "weight": 1.0})]
+        summary = run_training(cfg, run_dir, dashboard=lambda line: None)
+        assert summary["trajectories"]["trained"] == 16
+        stream = json.loads((run_dir / "task_stream.json").read_text())
+        # a cohort's turn: its members share the time it was submitted
+        done: dict[float, set[float]] = {}
+        for _suffix, submitted, answered, _waited, _traj in stream["turns"]:
+            done.setdefault(submitted, set()).add(answered)
+        return [len(times) for times in done.values()]
+
+    assert all(n == 1 for n in answers_per_cohort_turn(barrier=True))
+    assert any(n > 1 for n in answers_per_cohort_turn(barrier=False))
