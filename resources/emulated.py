@@ -53,8 +53,8 @@ class DeviceEmulation(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: ModelName = Field(default="dense-8b", description="Production model: a device-model "
-                             "preset (dense-8b, dense-32b, moe-30b-a3b) or a Hugging Face "
-                             "config.json")
+                             "preset (dense-8b, dense-32b, moe-30b-a3b, moe-235b-a22b) or a "
+                             "Hugging Face config.json")
     mfu: float = Field(default=0.5, gt=0, le=1, description="Fraction of peak FLOP/s reached")
     mbu: float = Field(default=0.8, gt=0, le=1, description="Fraction of peak bandwidth reached")
     memory_utilization: float = Field(default=0.9, gt=0, le=1,
