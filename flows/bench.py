@@ -4,23 +4,30 @@ One invocation runs every system of a workload (``config/bench/<name>.yaml``, a 
 config on the ``emulated`` backend), the same seeds and number of train steps each, on a fresh
 local cluster each, the systems interleaved when repeated so that machine drift hits all alike:
 
-- **end to end**, at equal hourly GPU cost: ``rollarc`` (async, disaggregated, serverless
+- **end to end**, at equal hourly cost: ``rollarc`` (async, disaggregated, serverless
   reward), ``sync-disaggregated``, ``async-monolithic`` and ``sync-monolithic`` (every stage,
   training included, time-sharing one pool of the monolithic profile);
 - **per principle**, each against its own baseline as arXiv 2512.22560 measures it: hardware
-  affinity (the H800 + H20 split against H800-only and H20-only inference at about the same
-  hourly cost), trajectory-level against batch-level environment handling as the environment
+  affinity (the H800 + H20 split against H800-only and H20-only inference at the same hourly
+  cost), trajectory-level against batch-level environment handling as the environment
   latency's spread grows, redundant rollouts (spare groups) on and off, and (on a workload
   whose reward is a model's) serverless reward instances against a dedicated reward pool
   carved out of the inference GPUs.
 
-For each system it reports time per step (median and spread), trajectories/s, generated
-tokens/s, busy fraction per pool, staleness, drops by reason, final success per env task, each
-one's ratio to ``rollarc``, the analytic lower bound (device work per pool over its engines, the
-trainer's work, the longest trajectory) and the orchestration overhead per turn. Times are in
-emulated seconds (real / ``engine.time_scale``). Output: a Markdown table printed and saved,
-``bench.json`` with every figure, and timelines (``timeline-<system>.png``, and ``timeline.png``
-with ``rollarc`` beside ``sync-monolithic``).
+Systems are sized to RollArc's provisioned hourly cost within
+:data:`flows.benchmarks.costs.COST_TOLERANCE` (:mod:`flows.benchmarks.costs`; the serverless
+reward model's GPU-seconds are billed into each run's measured $/h). Each system runs
+``--repeats`` times (default 3), interleaved. For each it reports, as the median over repeats
+with the lowest and highest repeat: time per step, trained trajectories/s, trained tokens/s
+and per dollar (prompt and response tokens of trained trajectories, virtual lengths), the
+measured $/h and its deviation from RollArc's, drops by reason, the lower bound
+(:mod:`flows.benchmarks.bound`: the run's work at each pool's best rate, perfectly packed, and
+the longest trajectory's own chain at zero queueing) and the wall time over it; and the ratios
+to ``rollarc`` (or a principle's baseline) taken repeat by repeat, with a verdict: a gain or a
+loss only when every repeat agrees. Times are in emulated seconds (real /
+``engine.time_scale``). Output: the Markdown tables printed and saved, ``bench.json`` with every
+figure of every run, and timelines (``timeline-<system>.png``, and ``timeline.png`` with
+``rollarc`` beside ``sync-monolithic``).
 
     python flows/bench.py --workload long_tail
     python flows/bench.py --workload uniform --steps 6 --repeats 2
@@ -36,16 +43,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 
 import yaml
 from rich.console import Console
 
 from flows.api import run_training
-from flows.benchmarks.report import markdown_table, run_figures, save_timelines, system_table
+from flows.benchmarks.costs import (
+    COST_TOLERANCE,
+    hardware_of,
+    inference_shape,
+    monolithic_overrides,
+)
+from flows.benchmarks.report import markdown_table, run_figures, save_timelines
+from flows.benchmarks.tables import compare, merge_repeats, ratio_dicts, system_tables
+from flows.benchmarks.work import TRAINED_FILE, TrainedBatches
 from flows.config import TrainConfig, load_config
-from flows.config.derived import effective_pools
-from resources.catalog import get_profile
 from resources.pools import Role
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "config" / "bench"
@@ -73,59 +85,23 @@ class System:
     baseline: str = "rollarc"  # what its ratio is taken against
 
 
-def gpu_cost(cfg: TrainConfig, roles: tuple[Role, ...]) -> tuple[int, float]:
-    """GPUs and USD/hour of the pools with these roles."""
-    gpus = cost = 0.0
-    for p in cfg.cluster.pools:
-        if p.role in roles:
-            n = p.workers * p.gpus
-            gpus += n
-            cost += n * get_profile(p.profile, cfg.affinity.profiles).price_per_hour
-    return int(gpus), cost
-
-
-def hardware_of(cfg: TrainConfig) -> str:
-    """'8 H800 + 4 H20 ($24.0/h)': the GPUs a config's effective pools hold."""
-    parts: dict[str, int] = {}
-    cost = 0.0
-    for p in effective_pools(cfg):
-        hw = get_profile(p.profile, cfg.affinity.profiles)
-        if hw.accelerator:
-            parts[hw.name] = parts.get(hw.name, 0) + p.workers * p.gpus
-            cost += p.workers * p.gpus * hw.price_per_hour
-    return " + ".join(f"{n} {k}" for k, n in parts.items()) + f" (${cost:.1f}/h)"
-
-
-def equal_cost_shape(cost: float, profile: str, cfg: TrainConfig,
-                     max_workers: int = 4) -> tuple[int, int]:
-    """(workers, GPUs per worker) of ``profile`` whose hourly cost is closest to ``cost``
-    (fewest workers on ties: fewer processes on the benchmark machine)."""
-    price = get_profile(profile, cfg.affinity.profiles).price_per_hour
-    shapes = [(w, g) for g in (1, 2, 4, 8) for w in range(1, max_workers + 1)]
-    return min(shapes, key=lambda s: (abs(s[0] * s[1] * price - cost), s[0]))
-
-
 def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
     """Every system of the chosen sections, with the overrides that make it from ``cfg``."""
     out = [System("rollarc", "end_to_end")]
-    _, all_cost = gpu_cost(cfg, (Role.INFERENCE, Role.TRAIN))
-    workers, gpus = equal_cost_shape(all_cost, cfg.cluster.monolithic_profile, cfg)
-    mono = [f"cluster.monolithic_gpus={gpus}", f"cluster.monolithic_workers={workers}"]
+    mono = monolithic_overrides(cfg)
     if "end_to_end" in sections:
         out += [System("sync-disaggregated", "end_to_end", ["mode=sync"]),
-                System("async-monolithic", "end_to_end", ["placement=monolithic", *mono]),
-                System("sync-monolithic", "end_to_end",
-                       ["mode=sync", "placement=monolithic", *mono])]
+                System("async-monolithic", "end_to_end", mono),
+                System("sync-monolithic", "end_to_end", ["mode=sync", *mono])]
     if "affinity" in sections:
-        _, inf_cost = gpu_cost(cfg, (Role.INFERENCE,))
         inference = [p for p in cfg.cluster.pools if p.role is Role.INFERENCE]
         others = [p.model_dump(mode="json") for p in cfg.cluster.pools
                   if p.role is not Role.INFERENCE]
         template = inference[0].model_dump(mode="json")
         for profile in sorted({p.profile for p in inference}):
-            workers, gpus = equal_cost_shape(inf_cost, profile, cfg)
-            pool = template | {"name": "inference", "profile": profile, "gpus": gpus,
-                               "workers": workers}
+            shape = inference_shape(cfg, profile)
+            pool = template | {"name": "inference", "profile": profile, "gpus": shape.gpus,
+                               "workers": shape.workers}
             pools = yaml.safe_dump([pool, *others], default_flow_style=True, width=10**6)
             out.append(System(f"{profile}-only", "affinity", [f"cluster.pools={pools.strip()}"]))
         if cfg.rollout.turn_placement != "split":
@@ -188,25 +164,19 @@ def run_system(workload: Path, system: System, steps: int, extra: list[str],
                                  "cluster.dashboard_port=0", "eval.every_steps=0"])
     t0 = time.perf_counter()
     if not (resume and (run_dir / "summary.json").exists()):
-        run_training(cfg, run_dir, dashboard=lambda line: None)
-    figures = run_figures(run_dir, cfg.engine.time_scale)
+        trained = TrainedBatches()  # which trajectories each step trained: the bound's work
+        run_training(cfg, run_dir, dashboard=lambda line: None, on_transition=trained)
+        trained.save(run_dir / TRAINED_FILE)
+    figures = run_figures(run_dir, cfg)
     figures["hardware"] = hardware_of(cfg)
     figures["bench_wall_s"] = time.perf_counter() - t0
     return figures
 
 
-def merge_repeats(runs: list[dict]) -> dict:
-    """The repeat with the median wall time, its step time the median over repeats."""
-    runs = sorted(runs, key=lambda r: r["wall_s"])
-    out = dict(runs[len(runs) // 2])
-    out["step_s_median"] = median(r["step_s_median"] for r in runs)
-    out["repeats"] = len(runs)
-    return out
-
-
-def principle_rows(results: dict[str, dict], chosen: list[System]) -> list[list]:
+def principle_rows(results: dict[str, dict], ratios: dict, chosen: list[System]) -> list[list]:
     """One row per per-principle system against its baseline (a system that is itself some
-    other's baseline shows as that one's baseline only)."""
+    other's baseline shows as that one's baseline only); ``ratios``: by system, its paired
+    ratios against its baseline."""
     baselines = {s.baseline for s in chosen}
     rows = []
     for s in chosen:
@@ -216,11 +186,13 @@ def principle_rows(results: dict[str, dict], chosen: list[System]) -> list[list]
         r, b = results[s.name], results[s.baseline]
         note = ""
         if s.section == "reward":
+            gpu_s = b.get("reward_serverless_gpu_s", b["reward_serverless_billed_s"])
             note = (f"dedicated reward GPU busy {r['reward_gpu_busy_fraction']:.0%}; serverless "
-                    f"GPU-seconds billed {b['reward_serverless_billed_s']:.0f} "
-                    f"({b['reward_serverless_billed_s'] / b['wall_s']:.2f} GPUs on average)")
+                    f"GPU-seconds billed {gpu_s:.0f} ({gpu_s / b['wall_s']:.2f} GPUs on "
+                    f"average)")
+        x = ratios[s.name]
         rows.append([s.section, s.name, r.get("hardware"), r["step_s_median"], s.baseline,
-                     b["step_s_median"], r["step_s_median"] / b["step_s_median"],
+                     b["step_s_median"], x["s/step"].text(), x["trained tok/$"].text(),
                      PAPER.get(s.section, ""), note])
     return rows
 
@@ -230,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="long_tail",
                    help="a name in config/bench/ or a path to a workload YAML")
     p.add_argument("--steps", type=int, default=8, help="train steps per system")
-    p.add_argument("--repeats", type=int, default=1, help="runs per system, interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system, interleaved")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--only", nargs="+", default=None, metavar="SYSTEM",
                    help="run only these systems (rollarc always runs: ratios refer to it)")
@@ -269,28 +241,43 @@ def main(argv: list[str] | None = None) -> int:
             per_system[s.name].append(run_system(workload, s, args.steps, args.overrides,
                                                  run_dir, args.resume))
     results = {name: merge_repeats(runs) for name, runs in per_system.items()}
+    # paired by repeat: each system against rollarc, and against its own baseline
+    vs_rollarc = {name: compare(runs, per_system["rollarc"])
+                  for name, runs in per_system.items() if name != "rollarc"}
+    vs_baseline = {s.name: compare(per_system[s.name], per_system[s.baseline])
+                   for s in chosen if s.name in per_system and s.baseline in per_system
+                   and s.name != s.baseline}
     ts = base.engine.time_scale
     e2e = {s.name: results[s.name] for s in chosen if s.section == "end_to_end"}
     report = [f"# {workload.stem}: {args.steps} train steps per system, "
               f"{args.repeats} repeat(s); emulated seconds (time_scale {ts})", "",
-              "## End to end", "", system_table(e2e, "rollarc")]
-    rows = principle_rows(results, chosen)
+              f"Figures: median over repeats (lowest-highest repeat). Ratios: per repeat, "
+              f"median [min, max]; above 1 the reference did better; a gain or a loss only "
+              f"when every repeat agrees. $/h: provisioned GPUs plus serverless GPU-seconds; "
+              f"systems are sized within {COST_TOLERANCE:.0%} of rollarc's provisioned $/h "
+              f"(! beyond it, measured).", "",
+              "## End to end", "", system_tables(e2e, vs_rollarc, "rollarc")]
+    rows = principle_rows(results, vs_baseline, chosen)
     if rows:
         report += ["", "## Per principle", "", markdown_table(
             ["principle", "system", "GPUs ($/h)", "s/step", "baseline", "baseline s/step",
-             "x (system / baseline)", "paper", "notes"], rows), "", "### All systems", "",
-            system_table({"rollarc": results["rollarc"]}
-                         | {k: v for k, v in results.items() if k not in e2e}, "rollarc")
+             "x (system / baseline), s/step", "x (baseline / system), trained tok/$", "paper",
+             "notes"], rows), "", "### All systems", "",
+            system_tables({"rollarc": results["rollarc"]}
+                          | {k: v for k, v in results.items() if k not in e2e}, vs_rollarc,
+                          "rollarc")
             if len(results) > len(e2e) else ""]
     bench_wall = time.perf_counter() - started
     report += ["", f"bench wall time: {bench_wall:.0f} s"]
     text = "\n".join(report)
-    console.print(text)
+    console.print(text, markup=False, highlight=False)  # "[min, max]" is no markup
     (out / "bench.md").write_text(text + "\n")
     (out / "bench.json").write_text(json.dumps(
         {"workload": str(workload), "steps": args.steps, "repeats": args.repeats,
-         "time_scale": ts, "bench_wall_s": bench_wall, "results": results,
-         "runs": per_system}, indent=2, default=str))
+         "time_scale": ts, "bench_wall_s": bench_wall, "cost_tolerance": COST_TOLERANCE,
+         "results": results, "ratios_vs_rollarc": ratio_dicts(vs_rollarc),
+         "ratios_vs_baseline": ratio_dicts(vs_baseline), "runs": per_system}, indent=2,
+        default=str))
     streams = {}
     for s in chosen:
         if s.section != "end_to_end":

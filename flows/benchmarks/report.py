@@ -1,8 +1,13 @@
-"""The benchmark's figures, tables and timelines, from a finished run's directory. Pure (files in,
-dicts and text out), so ``flows/bench.py`` and a notebook read runs the same way.
+"""The benchmark's figures and timelines, from a finished run's directory. Pure (files in,
+dicts and text out), so ``flows/bench.py`` and a notebook read runs the same way; the tables
+over repeats are :mod:`flows.benchmarks.tables`.
 
 Every time is reported in *emulated* seconds (real seconds / ``engine.time_scale``): what the run
-would take on the production cluster it emulates. Ratios are the same either way.
+would take on the production cluster it emulates. Ratios are the same either way. A run's cost
+is its provisioned GPUs' $/h over its emulated wall time plus the serverless reward model's
+billed GPU-seconds (:func:`flows.benchmarks.costs.run_cost`); its *trained tokens* are the
+prompt and response tokens (virtual lengths) of the trajectories its train steps trained; its
+bound is :mod:`flows.benchmarks.bound`'s.
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from flows.benchmarks.bound import lower_bound
+from flows.benchmarks.costs import run_cost
+from flows.benchmarks.work import read_run_work
+from flows.config import TrainConfig, load_config
+from flows.config.derived import is_emulated
 from flows.monitoring.metrics import read_metrics
 
 # stages drawn in the timeline, in legend order, with their colours
@@ -54,24 +64,19 @@ def turn_overhead(stream: dict) -> dict[str, float]:
             "real_work_fraction": (task - emulated) / wall}
 
 
-def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
-    """Every figure of one run (see the module docstring for units)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = read_metrics(run_dir)
-    to_emu = 1.0 / time_scale
-    wall = summary["elapsed_s"] * to_emu
-    ends = [0.0] + [r["perf/elapsed_s"] * to_emu for r in rows]
-    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    last = rows[-1] if rows else {}
-    envs = sorted({k.split("/")[1] for k in last if k.startswith("env/")})
-    pools: dict[str, dict[str, float]] = defaultdict(lambda: {"engines": 0, "busy_s": 0.0})
+def _engines(summary: dict) -> tuple[dict[str, dict], int, float, dict[str, float]]:
+    """Per pool its engines' busy seconds, the tokens decoded, the emulated trainer's busy
+    seconds, and the reward model's dedicated-busy and serverless-billed seconds."""
+    pools: dict[str, dict] = defaultdict(lambda: {"engines": 0, "busy_s": 0.0})
     decoded = 0
     trainer_busy = 0.0
-    judge = {"dedicated_busy_s": 0.0, "serverless_billed_s": 0.0}
+    judge = {"dedicated_busy_s": 0.0, "serverless_billed_s": 0.0, "serverless_gpu_s": 0.0}
     for w in summary["workers"].values():
         for stats in (w.get("reward_judge") or {}).values():
-            for k in judge:
-                judge[k] += stats.get(k, 0.0)
+            judge["dedicated_busy_s"] += stats.get("dedicated_busy_s", 0.0)
+            billed = stats.get("serverless_billed_s", 0.0)
+            judge["serverless_billed_s"] += billed
+            judge["serverless_gpu_s"] += billed * stats.get("gpus", 1)
         emu = (w.get("engine") or {}).get("emulated")
         if emu:
             p = pools[w["pool"]]
@@ -82,17 +87,32 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
             decoded += emu["decode_tokens"]
         if (w.get("trainer") or {}).get("emulated_busy_s"):
             trainer_busy = w["trainer"]["emulated_busy_s"]
+    return pools, decoded, trainer_busy, judge
+
+
+def run_figures(run_dir: Path, cfg: TrainConfig | None = None) -> dict[str, Any]:
+    """Every figure of one run (see the module docstring for units); ``cfg``: the run's
+    config (default: its ``config.yaml``)."""
+    if cfg is None:
+        cfg = load_config(run_dir / "config.yaml")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_metrics(run_dir)
+    time_scale = cfg.engine.time_scale
+    to_emu = 1.0 / time_scale
+    wall = summary["elapsed_s"] * to_emu
+    ends = [0.0] + [r["perf/elapsed_s"] * to_emu for r in rows]
+    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    last = rows[-1] if rows else {}
+    envs = sorted({k.split("/")[1] for k in last if k.startswith("env/")})
+    pools, decoded, trainer_busy, judge = _engines(summary)
     busy = {name: p["busy_s"] / max(p["engines"], 1) / wall for name, p in pools.items()}
-    # the analytic lower bound: each pool's device work spread evenly over its engines, and
-    # the trainer's work; no schedule finishes sooner than the busiest of them
-    bounds = {f"pool {name}": p["busy_s"] / max(p["engines"], 1) for name, p in pools.items()}
-    if trainer_busy:
-        bounds["trainer"] = trainer_busy
+    trained = summary["trajectories"]["trained"]
+    cost = run_cost(cfg, wall, judge["serverless_billed_s"])
     out: dict[str, Any] = {
         "wall_s": wall, "steps": len(rows),
         "step_s_median": median(steps) if steps else float("nan"),
         "step_s_p10": _quantile(steps, 0.1), "step_s_p90": _quantile(steps, 0.9),
-        "trajectories_per_s": summary["trajectories"]["trained"] / wall,
+        "trajectories_per_s": trained / wall,
         "generated_tokens_per_s": decoded / wall,
         "busy_fraction": busy, "trainer_busy_fraction": trainer_busy / wall,
         "bubble_s": {name: wall * (1 - f) for name, f in busy.items()},
@@ -101,28 +121,30 @@ def run_figures(run_dir: Path, time_scale: float) -> dict[str, Any]:
         "staleness_max": max((r["rollout/staleness_max"] for r in rows), default=0),
         "dropped": summary["trajectories"]["dropped"],
         "success": {e: last.get(f"env/{e}/success") for e in envs},
-        "bounds_s": bounds, "bound_s": max(bounds.values(), default=0.0),
         "pools": {n: dict(p) for n, p in pools.items()},
+        "cost": cost, "cost_per_hour": cost["per_hour"],
         # a reward model's GPUs: the dedicated pool's busy share, the serverless seconds billed
         "reward_gpu_busy_fraction": judge["dedicated_busy_s"] / wall,
         "reward_serverless_billed_s": judge["serverless_billed_s"],
+        "reward_serverless_gpu_s": judge["serverless_gpu_s"],
+        "bound_s": 0.0,
     }
     stream_file = run_dir / "task_stream.json"
     if stream_file.exists():
-        stream = json.loads(stream_file.read_text())
-        out["overhead"] = turn_overhead(stream)
-        out["critical_path_s"] = longest_trajectory_s(stream) * to_emu
-        if pools:  # on real devices the work per pool is not known: no bound
-            out["bound_s"] = max(out["bound_s"], out["critical_path_s"])
+        out["overhead"] = turn_overhead(json.loads(stream_file.read_text()))
+    work = read_run_work(run_dir, time_scale)
+    if work is not None and work.trained and is_emulated(cfg.engine):
+        bound = lower_bound(work, cfg)
+        out |= {"bound_s": bound["bound_s"], "bound_terms_s": bound["terms_s"],
+                "bound_binding": bound["binding"], "bound_complete": bound["complete"],
+                "x_bound": wall / bound["bound_s"] if bound["bound_s"] > 0 else None,
+                "trained_tokens": work.trained_tokens,
+                "untrained_tokens": work.untrained_tokens}
+        out["trained_tokens_per_s"] = work.trained_tokens / wall
+        out["trained_tokens_per_usd"] = (work.trained_tokens / cost["usd"] if cost["usd"] > 0
+                                         else None)
+    out["bound_s_per_step"] = out["bound_s"] / max(len(rows), 1)
     return out
-
-
-def longest_trajectory_s(stream: dict) -> float:
-    """The longest trajectory's own work: its turns' emulated waits, back to back."""
-    per_traj: dict[str, float] = defaultdict(float)
-    for _suffix, _s, _d, waited, traj in stream["turns"]:
-        per_traj[traj] += waited
-    return max(per_traj.values(), default=0.0)
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -140,31 +162,6 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def system_table(results: dict[str, dict], baseline: str) -> str:
-    """One row per system; ``x`` columns are each system's step time over ``baseline``'s."""
-    base = results[baseline]["step_s_median"]
-    header = ["system", "GPUs ($/h)", "s/step (median)", "p10-p90", f"x vs {baseline}",
-              "traj/s", "gen tok/s", "busy per pool", "trainer busy", "staleness mean/max",
-              "dropped", "success", "bound s/step", "x bound", "orchestration"]
-    rows = []
-    for name, r in results.items():
-        per_step_bound = r["bound_s"] / max(r["steps"], 1)
-        ov = r.get("overhead", {})
-        rows.append([
-            name, r.get("hardware", "-"), r["step_s_median"],
-            f"{r['step_s_p10']:.1f}-{r['step_s_p90']:.1f}", r["step_s_median"] / base,
-            r["trajectories_per_s"], r["generated_tokens_per_s"],
-            ", ".join(f"{k} {v:.0%}" for k, v in r["busy_fraction"].items()),
-            f"{r['trainer_busy_fraction']:.0%}",
-            f"{r['staleness_mean']:.2f}/{r['staleness_max']}",
-            ", ".join(f"{k} {v}" for k, v in r["dropped"].items()) or "0",
-            ", ".join(f"{k} {v:.2f}" for k, v in r["success"].items() if v is not None),
-            per_step_bound if r["bound_s"] > 0 else None,
-            r["wall_s"] / r["bound_s"] if r["bound_s"] > 0 else None,
-            f"{ov['orchestration_fraction']:.1%}" if ov else "-"])
-    return markdown_table(header, rows)
 
 
 # -- timelines ------------------------------------------------------------------------------------

@@ -3,15 +3,14 @@ cluster size, and the table that compares them."""
 
 from __future__ import annotations
 
-from flows.bench import gpu_cost
+from flows.benchmarks import costs
+from flows.benchmarks.costs import GPU_ROLES, gpu_cost
 from flows.benchmarks.report import markdown_table
 from flows.config import TrainConfig, with_overrides
 from flows.simulation.settings import SimSettings
 from flows.simulation.simulator import SimResult, simulate
-from resources.catalog import get_profile
 from resources.pools import Role
 
-GPU_ROLES = (Role.INFERENCE, Role.TRAIN)  # the pools whose GPUs a cluster's size counts
 SYSTEMS = ("rollarc", "sync-disaggregated", "async-monolithic", "sync-monolithic")
 
 
@@ -39,20 +38,15 @@ def scaled(cfg: TrainConfig, gpus: int) -> list[str]:
 
 
 def monolithic_shape(cfg: TrainConfig) -> tuple[int, int]:
-    """(workers, GPUs each) of the monolithic profile at about the hourly cost of the
-    disaggregated GPU pools; an engine as large as the largest inference engine (the model
-    must fit)."""
-    _, cost = gpu_cost(cfg, GPU_ROLES)
-    gpus = max(p.gpus for p in cfg.cluster.pools if p.role is Role.INFERENCE)
-    price = get_profile(cfg.cluster.monolithic_profile, cfg.affinity.profiles).price_per_hour
-    return max(1, round(cost / (price * gpus))), gpus
+    """(workers, GPUs each) of the monolithic baseline: the bench's definition
+    (:func:`flows.benchmarks.costs.monolithic_shape`), with no limit on the worker count."""
+    shape = costs.monolithic_shape(cfg, max_workers=None)
+    return shape.workers, shape.gpus
 
 
 def system_overrides(cfg: TrainConfig, system: str) -> list[str]:
     """The overrides that make ``cfg`` (RollArc) into ``system``."""
-    workers, gpus = monolithic_shape(cfg)
-    mono = ["placement=monolithic", f"cluster.monolithic_workers={workers}",
-            f"cluster.monolithic_gpus={gpus}"]
+    mono = costs.monolithic_overrides(cfg, max_workers=None)
     return {"rollarc": [], "sync-disaggregated": ["mode=sync"], "async-monolithic": mono,
             "sync-monolithic": ["mode=sync", *mono]}[system]
 

@@ -244,7 +244,8 @@ def test_bench_compares_systems_on_emulated_devices(tmp_path):
     timelines (figures are measured, never asserted as performance)."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "flows" / "bench.py"), "--workload",
-                           "long_tail", "--steps", "1", "--only", "sync-monolithic",
+                           "long_tail", "--steps", "1", "--repeats", "1", "--only",
+                           "sync-monolithic",
                            "spare groups 0",
                            "--out", str(out), "engine.time_scale=0.005",
                            "trainer.groups_per_step=2"],
