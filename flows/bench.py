@@ -55,7 +55,14 @@ from flows.benchmarks.costs import (
     monolithic_overrides,
 )
 from flows.benchmarks.report import markdown_table, run_figures, save_timelines
-from flows.benchmarks.tables import compare, merge_repeats, ratio_dicts, system_tables
+from flows.benchmarks.tables import (
+    RATIOS,
+    compare,
+    cost_text,
+    merge_repeats,
+    ratio_dicts,
+    system_tables,
+)
 from flows.benchmarks.work import TRAINED_FILE, TrainedBatches
 from flows.config import TrainConfig, load_config
 from resources.pools import Role
@@ -191,9 +198,9 @@ def principle_rows(results: dict[str, dict], ratios: dict, chosen: list[System])
                     f"GPU-seconds billed {gpu_s:.0f} ({gpu_s / b['wall_s']:.2f} GPUs on "
                     f"average)")
         x = ratios[s.name]
-        rows.append([s.section, s.name, r.get("hardware"), r["step_s_median"], s.baseline,
-                     b["step_s_median"], x["s/step"].text(), x["trained tok/$"].text(),
-                     PAPER.get(s.section, ""), note])
+        rows.append([s.section, s.name, s.baseline, cost_text(r, b),
+                     f"{r['step_s_median']:.1f}", f"{b['step_s_median']:.1f}",
+                     *[x[k].text() for k in RATIOS], PAPER.get(s.section, ""), note])
     return rows
 
 
@@ -260,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = principle_rows(results, vs_baseline, chosen)
     if rows:
         report += ["", "## Per principle", "", markdown_table(
-            ["principle", "system", "GPUs ($/h)", "s/step", "baseline", "baseline s/step",
-             "x (system / baseline), s/step", "x (baseline / system), trained tok/$", "paper",
-             "notes"], rows), "", "### All systems", "",
+            ["principle", "system", "baseline", "$/h (vs baseline)", "s/step",
+             "baseline s/step", *[f"x vs baseline, {k}" for k in RATIOS], "paper", "notes"],
+            rows), "", "### All systems", "",
             system_tables({"rollarc": results["rollarc"]}
                           | {k: v for k, v in results.items() if k not in e2e}, vs_rollarc,
                           "rollarc")

@@ -63,7 +63,7 @@ def _spread(r: dict, key: str, digits: int = 2) -> str:
     return Spread(**s).text(digits)
 
 
-def _cost(r: dict, reference: dict) -> str:
+def cost_text(r: dict, reference: dict) -> str:
     """``"$18.4 (+2.1%)"``: the median measured $/h and its deviation from the reference's,
     flagged when beyond the tolerance."""
     mine, ref = r.get("cost_per_hour"), reference.get("cost_per_hour")
@@ -86,7 +86,7 @@ def figures_table(results: dict[str, dict], reference: str) -> str:
               "bound s/step", "x bound"]
     rows = []
     for name, r in results.items():
-        rows.append([name, r.get("hardware", "-"), _cost(r, ref), _spread(r, "step_s_median", 1),
+        rows.append([name, r.get("hardware", "-"), cost_text(r, ref), _spread(r, "step_s_median", 1),
                      _spread(r, "trajectories_per_s"), _spread(r, "trained_tokens_per_s", 0),
                      _spread(r, "trained_tokens_per_usd", 0),
                      ", ".join(f"{k} {_count(v)}" for k, v in r["dropped"].items()) or "0",
