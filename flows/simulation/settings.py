@@ -47,6 +47,10 @@ class SimSettings(BaseModel):
                                     "environment with no remote latency")
     turn_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time a turn spends "
                                    "outside its tasks (messages, transfers) beyond the queues")
+    turn_overhead_per_turn_in_flight_s: float = Field(
+        default=0.0, ge=0, description="Time a turn spends outside its tasks for each turn in "
+        "flight when it is submitted: orchestration sharing the host's cores (fitted by "
+        "flows/simulate.py --calibrate)")
     train_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time per train step "
                                     "beyond the device model's")
     scheduler_us_per_task: float = Field(default=0.0, ge=0, description="Scheduler time per "

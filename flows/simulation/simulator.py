@@ -181,7 +181,6 @@ class Simulation:
         for t in members:
             self.turns_done += 1
             t.turn += 1
-            t.cohort = None
             if t.failed:  # its environment raised: a fresh one, or dropped (rollout_error)
                 t.failed = False
                 self._restart_or_drop(t)
@@ -192,7 +191,9 @@ class Simulation:
         self._tick()
 
     def _restart_or_drop(self, t: SimTrajectory) -> None:
-        if t.attempt + 1 >= self.cfg.rollout.max_attempts:
+        self.turn_runner.release(t)
+        # as the flow: no restart once the run is ending
+        if t.attempt + 1 >= self.cfg.rollout.max_attempts or self.core.stopping:
             self._shard_load[t.shard] -= 1
             self.ledger.drop(t.tid, lifecycle.DropReason.ROLLOUT_ERROR, "env crash")
             self.core.member_lost(t.group_id)
@@ -203,6 +204,7 @@ class Simulation:
         self.ready.append(t)
 
     def _finished(self, t: SimTrajectory) -> None:
+        self.turn_runner.release(t)
         self._shard_load[t.shard] -= 1
         self.ledger.transition(t.tid, lifecycle.TrajState.AWAITING_SCORE)
         oldest = self.version if t.oldest is None else t.oldest
@@ -228,15 +230,25 @@ class Simulation:
             return
         self.staleness.extend(batch.staleness)
         trainer = self.cluster.trainer_device
-        seconds = trainer.train_step_time(emulated.sequence_lengths(batch.samples))
+        seconds = self._train_seconds(trainer, emulated.sequence_lengths(batch.samples))
         self.control.tasks["train_step"] += 1
         if self.cluster.colocated:  # every engine yields its GPUs for the train step
+            # for as long as the flow's time share asks (flows.training.train_steps: the device
+            # model's step at its default epochs and minibatches)
+            share = trainer.train_step_time(emulated.sequence_lengths(batch.samples))
             for e in self.cluster.engines.values():
-                e.pause(seconds, training=True)
+                e.pause(share, training=True)
         seconds += self.sim.train_overhead_s
         export = trainer.weight_broadcast_time()
         self.trainer_busy_s += seconds + export
         self.clock.after(self.control.schedulers[0].delay() + seconds + export, self._trained)
+
+    def _train_seconds(self, trainer, lengths: list[int]) -> float:
+        """The device model's train step with the trainer's epochs and minibatches (as the
+        emulated trainer times it)."""
+        hp = self.cfg.trainer.hparams
+        return trainer.train_step_time(lengths, ppo_epochs=hp.ppo_epochs,
+                                       minibatches=hp.minibatches)
 
     def _trained(self) -> None:
         self.control.driver_events += 1
