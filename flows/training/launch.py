@@ -4,6 +4,8 @@ shutdown; the workers' engines as the device model sees them. :mod:`flows.api` r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from flows.config import ConfigError, TrainConfig, reward_callables
 from flows.config.choices import Placement, RewardBackend
@@ -175,10 +177,13 @@ def worker_plugin(cfg: TrainConfig, reward: dict) -> RollArcWorkerPlugin:
         stragglers=cfg.faults.stragglers)
 
 
-def colocated_device(cfg: TrainConfig) -> DeviceModel | None:
-    """Monolithic on emulated devices, the device model of the engines whose GPUs the train
-    step time-shares (None: the trainer has GPUs of its own)."""
+def colocated_train_s(cfg: TrainConfig) -> Callable[[list[int]], float] | None:
+    """Monolithic on emulated devices, the device time of a train step over sequences of these
+    lengths (its epochs and minibatches included) on the engines' GPUs, which it time-shares
+    (None: the trainer has GPUs of its own)."""
     if cfg.placement != Placement.MONOLITHIC or not is_emulated(cfg.engine):
         return None
     profile, _ = pool_hardware(cfg)[effective_pools(cfg)[0].name]
-    return device_of(HardwareProfile(**profile), trainer_gpus(cfg), cfg.engine.device)
+    device = device_of(HardwareProfile(**profile), trainer_gpus(cfg), cfg.engine.device)
+    hp = cfg.trainer.hparams
+    return partial(device.train_step_time, ppo_epochs=hp.ppo_epochs, minibatches=hp.minibatches)

@@ -31,7 +31,7 @@ from flows.training.evaluation import Evaluator
 from flows.training.events import Abandoned, Event, EventLoop, FutureKind, RunClock
 from flows.training.launch import (
     check_run_inputs,
-    colocated_device,
+    colocated_train_s,
     require_pools,
     reward_settings,
     worker_devices,
@@ -107,7 +107,7 @@ class TrainingRun:
                                    self.shards, self.changes.serving)
         self.steps = TrainSteps(self.core, self.trainer, self.events, self.abandoned,
                                 self.weights, self.rewards, sink, lambda: self.elapsed_s,
-                                self.changes.restored_from, colocated_device(cfg))
+                                self.changes.restored_from, colocated_train_s(cfg))
         self.checkpoints = checkpoints.Checkpointer(
             run_dir, cfg.trainer.keep_checkpoints, self.trainer, self.core,
             lambda fut: self.events.track(fut, FutureKind.CHECKPOINT))

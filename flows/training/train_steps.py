@@ -33,13 +33,15 @@ class TrainSteps:
     def __init__(self, run_core: core.RunCore, trainer: TrainerHandle, events: EventLoop,
                  abandoned: Abandoned, weights: WeightLoads, rewards: RewardBursts,
                  sink: MetricSink, elapsed_s: Callable[[], float],
-                 restored_from: Callable[[], int | None], colocated_device=None):
+                 restored_from: Callable[[], int | None],
+                 colocated_train_s: Callable[[list[int]], float] | None = None):
         """``restored_from()``: the checkpoint version of a trainer restore since the last step
-        (None: none). ``colocated_device``: monolithic on emulated devices, the engines' device
-        model, whose GPUs each train step time-shares (None: the trainer has its own GPUs)."""
+        (None: none). ``colocated_train_s``: monolithic on emulated devices, the device time of a
+        train step on the engines' GPUs, which it time-shares (None: the trainer has its own
+        GPUs)."""
         self.core, self.trainer, self.events, self.abandoned = run_core, trainer, events, abandoned
         self.weights, self.rewards, self.sink = weights, rewards, sink
-        self.elapsed_s, self.colocated_device = elapsed_s, colocated_device
+        self.elapsed_s, self.colocated_train_s = elapsed_s, colocated_train_s
         # called with (the version the step will publish, its trajectories) as a batch is cut
         self.batch_callbacks: list[Callable[[int, list[Trajectory]], None]] = []
         self.windows: list[tuple[float, float]] = []  # (submitted, recorded) of every step
@@ -54,8 +56,8 @@ class TrainSteps:
         yielding their GPUs to it)."""
         self.future = self.events.track(
             self.trainer.train(TrainBatch(batch.samples, batch.version)), FutureKind.TRAIN)
-        if self.colocated_device is not None:
-            self.weights.time_share(batch.version, self.colocated_device.train_step_time(
+        if self.colocated_train_s is not None:
+            self.weights.time_share(batch.version, self.colocated_train_s(
                 sequence_lengths(batch.samples)))
         for callback in self.batch_callbacks:
             callback(batch.version + 1, batch.trajectories)  # as train/step will name it
