@@ -9,7 +9,8 @@ local cluster each, the systems interleaved when repeated so that machine drift 
   training included, time-sharing one pool of the monolithic profile);
 - **per principle**, each against its own baseline as arXiv 2512.22560 measures it: hardware
   affinity (the H800 + H20 split against H800-only and H20-only inference at the same hourly
-  cost), trajectory-level against batch-level environment handling as the environment
+  cost), the cohorts' asynchrony (members leaving their stage as they finish, against a
+  barrier per cohort and against a task per trajectory and turn), trajectory-level against batch-level environment handling as the environment
   latency's spread grows, redundant rollouts (spare groups) on and off, and (on a workload
   whose reward is a model's) serverless reward instances against a dedicated reward pool
   carved out of the inference GPUs.
@@ -68,7 +69,7 @@ from flows.config import TrainConfig, load_config
 from resources.pools import Role
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "config" / "bench"
-SECTIONS = ("end_to_end", "affinity", "environment", "redundancy", "reward")
+SECTIONS = ("end_to_end", "affinity", "asynchrony", "environment", "redundancy", "reward")
 # environment step latency of the trajectory- vs batch-level comparison: normal, the workload's
 # median as the mean, these fractions of it as the standard deviation (arXiv 2512.22560 Sec. 7
 # injects a mean of 10 s and a standard deviation of 1 s to 10 s)
@@ -81,6 +82,7 @@ logger = logging.getLogger(__name__)
 PAPER = {"affinity": "1.30-1.68x (vs H20-only), 1.12-1.37x (vs H800-only)",
          "environment": "1.23x at std 1 s rising to 2.27x at std 10 s (mean 10 s)",
          "redundancy": "up to 1.62x",
+         "asynchrony": "trajectory-level (Sec. 4.2)",
          "reward": "reward GPUs 6% -> 88% busy; rollout 158 s -> 77 s"}
 
 
@@ -113,6 +115,12 @@ def systems(cfg: TrainConfig, sections: tuple[str, ...]) -> list[System]:
             out.append(System(f"{profile}-only", "affinity", [f"cluster.pools={pools.strip()}"]))
         if cfg.rollout.turn_placement != "split":
             out.append(System("per-request split", "affinity", ["rollout.turn_placement=split"]))
+    if "asynchrony" in sections and cfg.rollout.cohort_max > 1:
+        # what a cohort's members cost each other: the stage waiting for all of them, and no
+        # cohorts at all (a task per trajectory and turn: no barrier, more orchestration)
+        if not cfg.rollout.cohort_barrier:
+            out.append(System("cohort barrier", "asynchrony", ["rollout.cohort_barrier=true"]))
+        out.append(System("per-trajectory tasks", "asynchrony", ["rollout.cohort_max=1"]))
     if "environment" in sections:
         for spread in ENV_SPREADS:
             latency = env_spread(cfg, spread)
