@@ -15,14 +15,21 @@ the simulator: :mod:`~flows.simulation.systems` (rollarc and its baselines),
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --hours 1 --systems rollarc
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --sweep 64 256 1024 4096
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --split-search
-    python flows/simulate.py --validate runs/bench/long_tail              # against a bench run
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml --sensitivity price_ratio
+    python flows/simulate.py --config config/scale/rollarc_3k.yaml --sensitivity floor_scale 0 1 4
+    python flows/simulate.py --calibrate runs/bench/uniform-s0 --validate runs/bench/long_tail-s0
+    python flows/simulate.py --calibration runs/simulate/calibration.json --validate DIR ...
     python -m flows.benchmarks.scheduler && python flows/simulate.py --config config/bench/long_tail.yaml \
         --capacity runs/bench_scheduler/capacity.json --load 256 1024 4096   # scheduler load
 
+The simulator is validated out of sample: ``--calibrate`` fits what it cannot know on one bench
+invocation (one workload and seed: turns per env task, the host's orchestration per turn and per
+train step; :mod:`~flows.simulation.calibration`), ``--validate`` predicts other invocations' step
+times and ratios between systems from their configs alone and reports both errors.
+
 Where it departs from the Dask flow, on purpose: environments and the policy do not run, so the
 number of turns of a trajectory is drawn (``simulate.turns``) and rewards are random (they only
-order nothing: groups complete by time, not by reward); a cohort's members run their turns
-independently (the scheduler and driver are charged per cohort); worker loss is not simulated.
+order nothing: groups complete by time, not by reward); worker loss is not simulated.
 """
 
 from __future__ import annotations
@@ -37,8 +44,18 @@ from pathlib import Path
 from rich.console import Console
 
 from flows.config import ConfigError, with_overrides
-from flows.simulation.budget_split import split_search, split_table
-from flows.simulation.scaling import DEFAULT_SWEEP, plot_scaling, sweep, sweep_table
+from flows.simulation import validation
+from flows.simulation.budget_split import best_table, split_search, split_table
+from flows.simulation.calibration import Calibration, fit, read_bench
+from flows.simulation.scaling import (
+    DEFAULT_SWEEP,
+    SENSITIVITY,
+    plot_scaling,
+    sensitivity,
+    sensitivity_table,
+    sweep,
+    sweep_table,
+)
 from flows.simulation.scheduler_load import (
     load_study,
     load_table,
@@ -48,7 +65,6 @@ from flows.simulation.scheduler_load import (
 )
 from flows.simulation.settings import load
 from flows.simulation.systems import SYSTEMS, run_systems, scaled, systems_table
-from flows.simulation.validation import validate, validation_table
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -64,9 +80,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="scheduler and driver load of rollarc at these sizes, with remedies "
                    "(needs --capacity)")
     p.add_argument("--split-search", action="store_true",
-                   help="search the best split of the config's hourly GPU budget")
-    p.add_argument("--validate", nargs="+", default=None, metavar="BENCH_DIR",
-                   help="simulate each system of these bench runs and compare")
+                   help="each of --systems at its best shape of the config's hourly budget")
+    p.add_argument("--sensitivity", nargs="+", default=None, metavar=("KIND", "VALUE"),
+                   help=f"the systems' ratios as one quantity moves: {', '.join(SENSITIVITY)}, "
+                   "and its values (default: a range around today's)")
+    p.add_argument("--calibrate", default=None, metavar="BENCH",
+                   help="fit the calibration on one bench invocation (a bench or run "
+                   "directory, or a digest JSON) and save it")
+    p.add_argument("--calibration", default=None, metavar="JSON",
+                   help="a saved calibration (calibration.json of --calibrate)")
+    p.add_argument("--validate", nargs="+", default=None, metavar="BENCH",
+                   help="predict these bench invocations' step times and ratios from their "
+                   "configs and the calibration, and report the errors")
     p.add_argument("--capacity", default=None, help="scheduler capacity JSON of "
                    "flows/benchmarks/scheduler.py (sets the scheduler and driver costs)")
     p.add_argument("--out", default=None, help="output directory (default runs/simulate)")
@@ -81,16 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or "runs/simulate")
     out.mkdir(parents=True, exist_ok=True)
     try:
-        if args.validate:
-            rows = []
-            for d in args.validate:
-                rows += validate(Path(d), out / Path(d).name)[0]
-            text = validation_table(rows)
-            (out / "validation.md").write_text(text + "\n")
-            console.print(text)
-            return 0
+        if args.calibrate or args.calibration or args.validate:
+            return calibrate_and_validate(p, args, out, console)
         if not args.config:
-            p.error("--config is required (or --validate)")
+            p.error("--config is required (or --calibrate / --validate)")
         overrides = list(args.overrides)
         if args.hours:
             overrides.append(f"simulate.hours={args.hours}")
@@ -106,9 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     if args.split_search:
-        ranked = split_search(cfg, sim)
+        ranked = split_search(cfg, sim, args.systems)
         (out / "split.json").write_text(json.dumps(ranked, indent=1))
-        console.print(split_table(ranked))
+        for system, shapes in ranked.items():
+            console.print(f"\n{system}\n" + split_table(shapes))
+        text = best_table(ranked)
+        (out / "split.md").write_text(text + "\n")
+        console.print("\n" + text + f"\n[{time.perf_counter() - t0:.0f} s]")
+        return 0
+    if args.sensitivity:
+        kind, values = args.sensitivity[0], [float(v) for v in args.sensitivity[1:]]
+        if kind not in SENSITIVITY:
+            p.error(f"--sensitivity: one of {sorted(SENSITIVITY)}, not {kind!r}")
+        points = sensitivity(cfg, sim, kind, values)
+        (out / f"sensitivity-{kind}.json").write_text(json.dumps(points, indent=1))
+        text = sensitivity_table(points, kind)
+        (out / f"sensitivity-{kind}.md").write_text(text + "\n")
+        console.print(text + f"\n[{time.perf_counter() - t0:.0f} s]")
         return 0
     if args.sweep is not None:
         points = sweep(cfg, sim, args.sweep or list(DEFAULT_SWEEP))
@@ -134,6 +167,39 @@ def main(argv: list[str] | None = None) -> int:
     (out / "simulate.md").write_text(text + "\n")
     console.print(text)
     console.print(f"simulated in {time.perf_counter() - t0:.1f} s -> {out}")
+    return 0
+
+
+def _name(path: str) -> str:
+    return Path(path).stem.removeprefix("digest-")
+
+
+def calibrate_and_validate(p: argparse.ArgumentParser, args: argparse.Namespace, out: Path,
+                           console: Console) -> int:
+    """--calibrate and/or --validate: the calibration fitted (or loaded) and saved, each
+    bench to validate read into a digest without its measures (saved beside the results),
+    predicted and compared."""
+    if args.calibrate:
+        bench = read_bench(Path(args.calibrate))
+        (out / f"digest-{_name(args.calibrate)}.json").write_text(bench.model_dump_json())
+        cal = fit(bench)
+        (out / "calibration.json").write_text(cal.model_dump_json(indent=1))
+        console.print(f"calibration ({cal.source}) -> {out}/calibration.json\n"
+                      + json.dumps(cal.model_dump(exclude={"points"}), indent=1))
+    elif args.calibration:
+        cal = Calibration.model_validate_json(Path(args.calibration).read_text())
+    else:
+        p.error("--validate needs --calibrate or --calibration: a prediction is only a "
+                "validation on runs it was not calibrated on")
+    if not args.validate:
+        return 0
+    records = []
+    for d in args.validate:
+        bench = read_bench(Path(d)).without_measures()
+        (out / f"digest-{_name(d)}.json").write_text(bench.model_dump_json())
+        records += validation.predict(cal, bench)
+    validation.save(records, cal, out)
+    console.print(validation.validation_table(records))
     return 0
 
 

@@ -51,6 +51,9 @@ class SimSettings(BaseModel):
         default=0.0, ge=0, description="Time a turn spends outside its tasks for each turn in "
         "flight when it is submitted: orchestration sharing the host's cores (fitted by "
         "flows/simulate.py --calibrate)")
+    turn_overhead_per_hop_in_flight_s: float = Field(
+        default=0.0, ge=0, description="... and for each hand-off between workers in it (env -> "
+        "prefill -> decode -> env) times the turns in flight (fitted by --calibrate)")
     train_overhead_s: float = Field(default=0.0, ge=0, description="Fixed time per train step "
                                     "beyond the device model's")
     scheduler_us_per_task: float = Field(default=0.0, ge=0, description="Scheduler time per "

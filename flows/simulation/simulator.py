@@ -86,11 +86,14 @@ class SimResult:
     @property
     def steady_step_s(self) -> float:
         """Mean time per step after the first (which holds the start-up)."""
+        if len(self.step_times) < 2:
+            return float("nan")
         return sum(self.step_times[1:]) / (len(self.step_times) - 1)
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "step_times"}
-        return d | {"step_s": self.step_s, "step_times": [round(s, 3) for s in self.step_times]}
+        return d | {"step_s": self.step_s, "steady_step_s": self.steady_step_s,
+                    "step_times": [round(s, 3) for s in self.step_times]}
 
 
 class Simulation:
@@ -233,11 +236,8 @@ class Simulation:
         seconds = self._train_seconds(trainer, emulated.sequence_lengths(batch.samples))
         self.control.tasks["train_step"] += 1
         if self.cluster.colocated:  # every engine yields its GPUs for the train step
-            # for as long as the flow's time share asks (flows.training.train_steps: the device
-            # model's step at its default epochs and minibatches)
-            share = trainer.train_step_time(emulated.sequence_lengths(batch.samples))
             for e in self.cluster.engines.values():
-                e.pause(share, training=True)
+                e.pause(seconds, training=True)
         seconds += self.sim.train_overhead_s
         export = trainer.weight_broadcast_time()
         self.trainer_busy_s += seconds + export

@@ -29,6 +29,7 @@ from typing import Any
 
 from flows.config import TrainConfig
 from flows.simulation import environments
+from flows.simulation.calibration import turn_hops
 from flows.simulation.cluster import ControlPlane, SimCluster
 from flows.simulation.settings import SimSettings
 from flows.training import turn_placement, workload
@@ -177,9 +178,13 @@ class TurnRunner:
             self.control.tasks[stage.value] += 1
         wait = self.control.schedulers[cohort.shard].delay(len(stages))
         # the host's orchestration (driver, scheduler, messages, the tiny policy's real work):
-        # fixed, plus a share per turn in flight competing for the same cores
-        overhead = (self.sim.turn_overhead_s
-                    + self.sim.turn_overhead_per_turn_in_flight_s * self.in_flight)
+        # fixed, plus a share per turn in flight competing for the same cores, more with each
+        # hand-off between worker processes (flows.simulation.calibration)
+        p = cohort.plan
+        hops = turn_hops(cohort.env_worker, p.prefill_worker, p.decode_worker)
+        overhead = self.sim.turn_overhead_s + self.in_flight * (
+            self.sim.turn_overhead_per_turn_in_flight_s
+            + self.sim.turn_overhead_per_hop_in_flight_s * hops)
         self.clock.after(wait + overhead, self._stage, cohort, first, cohort.members, collect)
 
     # -- a stage's task --------------------------------------------------------------------------

@@ -1,87 +1,108 @@
-"""The simulator against the real pipeline on emulated devices: each system of a bench run
-(``flows/bench.py --out DIR``) simulated with the same config and seeds, calibrated with what
-the simulator cannot know, step time and busy shares compared."""
+"""The simulator against emulated runs it was not calibrated on.
+
+A calibration (:mod:`flows.simulation.calibration`) is fitted on one bench invocation (one
+workload, one seed). Each system of another invocation is then simulated from its config alone,
+with the calibration's quantities: the predicted run's turn counts and orchestration are never
+read (:meth:`~flows.simulation.calibration.BenchDigest.without_measures` drops them before the
+prediction). Two errors are reported: each system's steady time per step, and each baseline's
+ratio to ``rollarc`` (baseline s/step over rollarc's), the figure a bench reports.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from itertools import accumulate
 from pathlib import Path
+from statistics import median
 
 from flows.benchmarks.report import markdown_table
-from flows.config import TrainConfig, load_config
-from flows.monitoring.metrics import read_metrics
+from flows.simulation.calibration import BenchDigest, Calibration, steady_step_s
 from flows.simulation.settings import sim_settings
 from flows.simulation.simulator import simulate
 
-VALIDATION_HEADER = ["workload", "system", "emulated s/step", "simulated s/step", "error",
-                     "busy per pool, emulated / simulated",
-                     "simulated without the measured orchestration"]
+logger = logging.getLogger(__name__)
+
+STEP_TARGET = 0.15  # |simulated / emulated - 1| of a step time
+RATIO_TARGET = 0.10  # and of a ratio between systems
+REFERENCE = "rollarc"  # the system ratios are taken against
+
+VALIDATION_HEADER = ["workload", "seed", "system", "emulated s/step", "simulated s/step",
+                     "step error", "x rollarc, emulated", "x rollarc, simulated", "ratio error",
+                     "simulated, devices only"]
 
 
-def calibration(run_dir: Path, cfg: TrainConfig, figures: dict, rows: list[dict]) -> list[str]:
-    """Overrides that give the simulator what the emulated run measured and the simulator
-    cannot know: turns per trajectory by env task (the policy's and environments' doing), the
-    orchestration time per turn and the trainer's real work per step (both in emulated
-    seconds). ``rows``: the run's train metrics rows."""
-    out = []
-    for t in cfg.env_tasks:
-        n = sum(r.get(f"env/{t.name}/trajectories", 0) for r in rows)
-        turns = sum(r.get(f"env/{t.name}/turns", 0) * r.get(f"env/{t.name}/trajectories", 0)
-                    for r in rows)
-        if n:
-            out.append(f"simulate.turns.{t.name}={{mean: {turns / n:.4f}}}")
-    scale = cfg.engine.time_scale
-    overhead = figures.get("overhead", {}).get("orchestration_ms", 0.0) / 1e3 / scale
-    out.append(f"simulate.turn_overhead_s={overhead:.4f}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    trainer_emulated = sum((w.get("trainer") or {}).get("emulated_busy_s", 0.0)
-                           for w in summary["workers"].values())
-    steps = max(len(rows), 1)
-    real = sum(r.get("train/seconds", 0.0) for r in rows) / scale
-    # train/seconds holds the real step and the scaled emulated wait; the export is not in it
-    extra = max(0.0, (real - trainer_emulated) / steps)
-    out.append(f"simulate.train_overhead_s={extra:.4f}")
+def predict(cal: Calibration, bench: BenchDigest, devices_only: bool = True) -> list[dict]:
+    """Each system of ``bench`` simulated from its config and ``cal``, against its emulated
+    steady step time (the median over its repeats); records with ``step_error`` and
+    (baselines) ``ratio_error``; ``devices_only``: also each without the calibration's
+    orchestration."""
+    bench = bench.without_measures()  # what is predicted is not read
+    by_system: dict[str, list] = {}
+    for run in bench.runs:  # repeats of a system: the median of their step times
+        by_system.setdefault(run.system, []).append(run)
+    records = []
+    for system, runs in by_system.items():
+        cfg = bench.config(runs[0])
+        over = cal.overrides(cfg)
+        sim = simulate(cfg, sim_settings({}, over), system)
+        bare = None
+        if devices_only:  # the devices and the drawn turns alone: what the host adds
+            bare = simulate(cfg, sim_settings({}, [o for o in over if ".turns." in o]), system)
+        emulated = median(r.steady_step_s for r in runs)
+        # the simulated run measured as the emulated one is (its step ends)
+        simulated = steady_step_s(list(accumulate(sim.step_times)))
+        records.append({"workload": bench.workload, "seed": bench.seed, "system": system,
+                        "repeats": len(runs),
+                        "emulated_step_s": emulated, "simulated_step_s": simulated,
+                        "step_error": simulated / emulated - 1,
+                        "devices_only_step_s": steady_step_s(list(accumulate(
+                            bare.step_times))) if bare else None,
+                        "simulated_busy": sim.busy, "overrides": over})
+    ref = next((r for r in records if r["system"] == REFERENCE), None)
+    for r in records:
+        if ref is None or r is ref:
+            continue
+        r["emulated_ratio"] = r["emulated_step_s"] / ref["emulated_step_s"]
+        r["simulated_ratio"] = r["simulated_step_s"] / ref["simulated_step_s"]
+        r["ratio_error"] = r["simulated_ratio"] / r["emulated_ratio"] - 1
+    return records
+
+
+def summary(records: list[dict]) -> dict:
+    """The largest errors and whether they meet the targets."""
+    steps = [abs(r["step_error"]) for r in records]
+    ratios = [abs(r["ratio_error"]) for r in records if "ratio_error" in r]
+    out = {"runs": len(records), "step_error_max": max(steps, default=0.0),
+           "step_error_mean": sum(steps) / max(len(steps), 1),
+           "ratio_error_max": max(ratios, default=0.0),
+           "ratio_error_mean": sum(ratios) / max(len(ratios), 1)}
+    out["step_within_target"] = out["step_error_max"] <= STEP_TARGET
+    out["ratio_within_target"] = out["ratio_error_max"] <= RATIO_TARGET
     return out
 
 
-def validate(bench_dir: Path, out: Path | None = None) -> tuple[list[list[str]], list[dict]]:
-    """Each system of a bench run (``flows/bench.py --out DIR``) simulated with the same
-    config and seeds: step time and busy fraction per pool, emulated against simulated
-    (table rows, and records written to ``out/validation.json`` if ``out`` is given)."""
-    bench = json.loads((bench_dir / "bench.json").read_text())
-    workload = Path(bench["workload"]).stem
-    rows, records = [], []
-    for name, fig in bench["results"].items():
-        run_dir = bench_dir / "runs" / f"{name}-0"
-        cfg = load_config(run_dir / "config.yaml")  # the run's resolved config
-        metrics = read_metrics(run_dir)
-        sim_over = calibration(run_dir, cfg, fig, metrics)
-        r = simulate(cfg, sim_settings({}, sim_over), name)
-        # time per step after the first (which holds the start-up): the steady state, less
-        # noisy than a median of a few steps
-        ends = [row["perf/elapsed_s"] / cfg.engine.time_scale for row in metrics]
-        step_e = (ends[-1] - ends[0]) / (len(ends) - 1)
-        step_s = r.steady_step_s
-        # the same without the orchestration measured: what the devices alone explain
-        bare_s = simulate(cfg, sim_settings({}, [o for o in sim_over if ".turns." in o]),
-                          name).steady_step_s
-        rec = {"workload": workload, "system": name, "emulated_step_s": step_e,
-               "simulated_step_s": step_s, "step_error": step_s / step_e - 1,
-               "devices_only_step_s": bare_s,
-               "emulated_busy": fig["busy_fraction"], "simulated_busy": r.busy,
-               "calibration": sim_over}
-        records.append(rec)
-        busy = "; ".join(f"{p} {fig['busy_fraction'][p]:.0%} / {r.busy.get(p, float('nan')):.0%}"
-                         for p in fig["busy_fraction"])
-        rows.append([workload, name, f"{step_e:.1f}", f"{step_s:.1f}",
-                     f"{rec['step_error']:+.0%}", busy,
-                     f"{bare_s:.1f} ({bare_s / step_e - 1:+.0%})"])
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validation.json").write_text(json.dumps(records, indent=1))
-    return rows, records
+def validation_table(records: list[dict]) -> str:
+    """Markdown of :func:`predict`'s records, with the largest errors against the targets."""
+    rows = []
+    for r in records:
+        ratio = "ratio_error" in r
+        rows.append([r["workload"], r["seed"], r["system"], f"{r['emulated_step_s']:.1f}",
+                     f"{r['simulated_step_s']:.1f}", f"{r['step_error']:+.0%}",
+                     f"{r['emulated_ratio']:.2f}" if ratio else "-",
+                     f"{r['simulated_ratio']:.2f}" if ratio else "-",
+                     f"{r['ratio_error']:+.0%}" if ratio else "-",
+                     f"{r['devices_only_step_s']:.1f}" if r["devices_only_step_s"] else "-"])
+    s = summary(records)
+    return (markdown_table(VALIDATION_HEADER, rows)
+            + f"\n\nlargest step-time error {s['step_error_max']:.0%} (target "
+              f"{STEP_TARGET:.0%}), largest ratio error {s['ratio_error_max']:.0%} (target "
+              f"{RATIO_TARGET:.0%}), over {s['runs']} runs")
 
 
-def validation_table(rows: list[list[str]]) -> str:
-    """Markdown of :func:`validate`'s rows."""
-    return markdown_table(VALIDATION_HEADER, rows)
+def save(records: list[dict], cal: Calibration, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validation.json").write_text(json.dumps(
+        {"calibration": cal.model_dump(), "summary": summary(records), "records": records},
+        indent=1))
+    (out / "validation.md").write_text(validation_table(records) + "\n")
