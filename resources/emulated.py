@@ -92,6 +92,7 @@ class EmulatedPrefill:
     context: int  # virtual context after the prefill
     waited_s: float = 0.0  # real seconds the prefill waited on the emulated engine
     link: Link | None = None  # the prefill engine's end of a KV transfer
+    transfer_s: float = 0.0  # of waited_s: the conversation's KV received first
 
     def __sizeof__(self) -> int:
         import sys
@@ -120,12 +121,14 @@ class EmulatedBackend:
         cached = cache.virtual_tokens if cache is not None else 0
         n = shape.prompt_tokens if shape is not None else len(new_ids)
         t0 = time.perf_counter()
+        received = 0.0
         if cache is not None and cache.engine_id != self.engine_id:
             # the conversation's KV comes from the engine that decoded the last turn
             self._receive(cached, cache.link)
+            received = time.perf_counter() - t0
         self.engine.prefill(n, cached, resume=_held_key(cache))
         return EmulatedPrefill(out, self.engine_id, n, cached + n, time.perf_counter() - t0,
-                               self.engine.device.link())
+                               self.engine.device.link(), received)
 
     def _receive(self, tokens: int, sender: Link | None) -> None:
         """Wait for ``tokens`` tokens' KV from ``sender``, at the narrower end's bandwidth."""
@@ -136,11 +139,13 @@ class EmulatedBackend:
     def decode(self, prefilled: EmulatedPrefill, cache: EmulatedCache | None,
                params: SamplingParams, seed: int, shape: TurnShape | None = None) -> DecodeOutput:
         t0 = time.perf_counter()
+        received = 0.0
         if prefilled.engine_id != self.engine_id:  # the new tokens' KV crosses the network
             moved = prefilled.new_tokens
             if cache is not None and cache.engine_id != self.engine_id:
                 moved = prefilled.context  # ... and the context's: this engine has none of it
             self._receive(moved, prefilled.link)
+            received = time.perf_counter() - t0
         waited = time.perf_counter() - t0
         out = self.inner.decode(prefilled.inner, cache.inner if cache is not None else None,
                                 params, seed, shape=shape)
@@ -151,6 +156,8 @@ class EmulatedBackend:
         waited += time.perf_counter() - t0
         out.sample.virtual_tokens = prefilled.new_tokens + n
         out.sample.emulated_wait_s = prefilled.waited_s + waited
+        out.sample.prefill_wait_s = prefilled.waited_s - prefilled.transfer_s
+        out.sample.kv_transfer_s = prefilled.transfer_s + received
         handle = EmulatedCache(out.cache, prefilled.context + n, self.engine_id, key,
                                self.engine.device.link())
         # the held KV lives as long as this handle on this worker (a copy Dask moves elsewhere

@@ -60,6 +60,10 @@ class TurnSample:
     # generated; 0 on a real engine): what the emulated trainer's step time counts
     virtual_tokens: int = 0
     emulated_wait_s: float = 0.0  # real seconds the turn's tasks waited on emulated devices
+    # of emulated_wait_s: the prefill engine's share and the KV hand-offs' (the rest is the
+    # decode engine's)
+    prefill_wait_s: float = 0.0
+    kv_transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ scheduler's dashboard server, redrawn every second from the monitor's records
 Top: reward and per-env-task success against step and against wall time, evaluation rounds as
 markers. Then the staleness histogram of trained trajectories, trajectories by state (trained,
 dropped by reason), trajectories in flight per pool, the policy version each inference worker
-holds, the pools' busy fractions over time, and the reward service's figures.
+holds, the pools' busy fractions over time, the reward service's figures, and the latest train
+step's critical path (:mod:`flows.monitoring.critical_path`): its seconds by what it waited on,
+as a stacked bar and a table, the gating trajectory and the bottleneck pool.
 """
 
 from __future__ import annotations
@@ -20,12 +22,46 @@ from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 from distributed.dashboard.components.scheduler import BOKEH_THEME
 
+from flows.monitoring.critical_path import Category
+
 UPDATE_MS = 1000
 HEIGHT = 260
 REWARD_KEYS = (("invocations", "invocations"), ("mean_batch", "trajectories per call"),
                ("latency_ms_p50", "latency p50 (ms)"), ("latency_ms_p99", "latency p99 (ms)"),
                ("throttles", "throttles"), ("cold_starts", "cold starts"),
                ("function_errors", "function errors"), ("lost", "trajectories lost"))
+
+
+# the critical path's categories, in the colours of the benchmark's timelines where they match
+CATEGORY_COLOURS = {Category.PREFILL: "#1f77b4", Category.DECODE: "#ff7f0e",
+                    Category.KV_TRANSFER: "#17becf", Category.UNSPLIT: "#dbdbdb",
+                    Category.ENV: "#2ca02c", Category.REWARD: "#9467bd", Category.TRAIN: "#d62728",
+                    Category.WEIGHT_SYNC: "#e377c2", Category.CHECKPOINT: "#bcbd22",
+                    Category.QUEUE: "#7f7f7f", Category.ORCHESTRATION: "#c7c7c7"}
+
+
+def critical_path_html(step: dict | None) -> str:
+    """The latest step's critical path: a stacked bar of its seconds by category, then a table
+    of them, the gating trajectory and the bottleneck pool."""
+    if not step:
+        return "<h4>Critical path of the latest step</h4><p>No step trained yet.</p>"
+    total = max(step["seconds"], 1e-12)
+    cats = step["categories"]
+    bar = "".join(f"<div title='{c} {s:.2f} s' style='width:{100 * s / total:.2f}%;"
+                  f"background:{CATEGORY_COLOURS.get(c, '#cccccc')}'></div>"
+                  for c, s in cats.items())
+    rows = "".join(f"<tr><td><span style='color:{CATEGORY_COLOURS.get(c, '#cccccc')}'>"
+                   f"&#9632;</span> {c}</td><td style='text-align:right'>{s:.2f} s</td>"
+                   f"<td style='text-align:right'>{s / total:.0%}</td></tr>"
+                   for c, s in cats.items())
+    neck = step.get("bottleneck")
+    share = step["pools"].get(neck, 0.0) / total if neck else 0.0
+    pools = ", ".join(f"{p} {s:.2f} s" for p, s in step["pools"].items())
+    return (f"<h4>Critical path of step {step['step']}: {step['seconds']:.2f} s</h4>"
+            f"<div style='display:flex;height:18px;width:100%'>{bar}</div>"
+            f"<table>{rows}</table><p>bottleneck pool: <b>{neck}</b> ({share:.0%} of the step); "
+            f"by pool: {pools}; gating trajectory {step.get('gating_trajectory')} "
+            f"({step.get('gating_turns', 0)} turns); from {step.get('source')} timings</p>")
 
 
 def _color(i: int) -> str:
@@ -67,6 +103,7 @@ class RollArcPage:
         self.src_versions = ColumnDataSource(_bars({}))
         self.src_busy = ColumnDataSource(_lines([], "", [], str))
         self.reward_table = Div(text="")
+        self.path_table = Div(text=critical_path_html(None), sizing_mode="stretch_width")
 
         opts = {"height": HEIGHT, "sizing_mode": "stretch_width", "tools": "pan,wheel_zoom,reset"}
         self.fig_step = self._curves("Reward and success per env task, by step",
@@ -97,7 +134,7 @@ class RollArcPage:
             row(self.fig_stale, self.fig_states, sizing_mode="stretch_width"),
             row(self.fig_pools, self.fig_versions, sizing_mode="stretch_width"),
             row(self.fig_busy, self.reward_table, sizing_mode="stretch_width"),
-            sizing_mode="stretch_width")
+            self.path_table, sizing_mode="stretch_width")
 
     def _curves(self, title: str, x_label: str, lines: ColumnDataSource, reward_x: str,
                 opts: dict):
@@ -159,6 +196,7 @@ class RollArcPage:
                                   f"<p>busy, mean: " + ", ".join(
                                       f"{p} {f:.0%}" for p, f in rec.busy_mean().items())
                                   + "</p>")
+        self.path_table.text = critical_path_html(live.get("critical_path"))
 
     @staticmethod
     def _set_bars(fig, source: ColumnDataSource, counts: dict) -> None:

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
 from typing import TYPE_CHECKING, TypedDict
 
+from flows.config.choices import Mode
+from flows.config.derived import is_emulated
+from flows.monitoring import critical_path
 from flows.training.lifecycle import TrajState
 from resources.placement import placement_snapshot, task_stream_snapshot
+from resources.pools import Tag
 from resources.worker import worker_report
 
 if TYPE_CHECKING:
@@ -33,7 +38,29 @@ def live_figures(run: TrainingRun) -> dict:
             "staleness_hist": {str(k): v for k, v in sorted(run.core.staleness_hist.items())},
             "worker_versions": {f"{run.cluster.worker_pool.get(w, '?')} {w}": v
                                 for w, v in sorted(run.weights.worker_versions.items())},
-            "policy_version": run.version}
+            "policy_version": run.version,
+            # the latest trained step's critical path (from the driver's timings)
+            "critical_path": next(iter(critical_path_steps(run, last=1)), None)}
+
+
+def critical_path_steps(run: TrainingRun, tasks: list | None = None,
+                        last: int | None = None) -> list[dict]:
+    """The last trained steps' critical paths (:mod:`flows.monitoring.critical_path`);
+    ``tasks``: the run's task stream, when recorded."""
+    cfg, cluster = run.cfg, run.cluster
+    pool_of = dict(cluster.worker_pool)
+    for shard in run.shards.further:
+        pool_of |= shard.cluster.worker_pool
+    reward = sorted({pool_of.get(w, w) for w in cluster.workers_with(Tag.SERVERLESS)})
+    shape = critical_path.RunShape(pool_of, pool_of.get(run.trainer.worker or "", "trainer"),
+                                   ",".join(reward) or "reward", cfg.mode == Mode.SYNC)
+    # the run's start on the wall clock (its clock is perf_counter's)
+    start = time.time() - (time.perf_counter() - run.clock.t0) if run.clock.t0 else 0.0
+
+    def turns_of(trajectory: str):
+        return next((found for d in run.drivers if (found := d.timings.of(trajectory))), None)
+
+    return critical_path.breakdowns(run.steps.timings, turns_of, shape, start, tasks, last)
 
 
 class RunSummary(TypedDict, total=False):
@@ -54,6 +81,8 @@ class RunSummary(TypedDict, total=False):
     turns: dict  # count, mean wall and emulated-wait seconds
     workers: dict[str, dict]  # each worker's report, with its pool
     train_windows_s: list[tuple[float, float]]  # each train step, from the run's start
+    # the last steps' critical paths: time_scale, steps (flows.monitoring.critical_path)
+    critical_path: dict
     elapsed_s: float
     status: str
 
@@ -82,9 +111,10 @@ def summary(run: TrainingRun) -> RunSummary:
         truncated.update(d.truncated)
         restarts.update(d.restarts)
     t0 = run.clock.t0 or 0.0
+    stream = client.run_on_scheduler(task_stream_snapshot) if cfg.metrics.task_stream else None
     if cfg.metrics.task_stream:
         (run.run_dir / "task_stream.json").write_text(json.dumps(
-            {"tasks": client.run_on_scheduler(task_stream_snapshot),
+            {"tasks": stream,
              "turns": [t for d in drivers for t in d.turns.each],
              # each turn's virtual lengths and environment latency, in the order of "turns"
              "turn_work": [asdict(w) for d in drivers for w in d.turns.work],
@@ -123,6 +153,8 @@ def summary(run: TrainingRun) -> RunSummary:
                   / max(n_turns, 1)},
         "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
         "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],
+        "critical_path": {"time_scale": cfg.engine.time_scale if is_emulated(cfg.engine)
+                          else 1.0, "steps": critical_path_steps(run, stream)},
         "elapsed_s": run.elapsed_s,
     }
     return account

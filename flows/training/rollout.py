@@ -30,6 +30,7 @@ from distributed import Client, Future
 from flows.config import EnvTaskConfig, TrainConfig
 from flows.config.derived import batch_trajectories, with_env_faults
 from flows.monitoring.monitor import StageSpans
+from flows.monitoring.step_timings import TurnTimings, trajectory_key
 from flows.training.episode import RolloutRecord, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.training.orchestration import PoolWorkers
@@ -113,6 +114,7 @@ class RolloutDriver:
         # env_step key -> (reason, detail), read when the cancelled future comes back
         self._abandoned: dict[str, tuple[DropReason, str]] = {}
         self.turns = TurnLog(cfg.metrics.task_stream, cfg.engine.time_scale)
+        self.timings = TurnTimings()  # each trajectory's turns, for its step's critical path
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
 
@@ -326,6 +328,8 @@ class RolloutDriver:
             rec = self.live[tid]
             if isinstance(res, Deferred):  # still running there: continued with the next flush
                 self._resumes.setdefault((res.phase, res.handle), []).append((rec, res.index))
+                self.timings.deferred(trajectory_key(tid, rec.attempt), cohort.suffix,
+                                      res.phase.value)
                 continue
             self._release(rec)
             if isinstance(res, MemberError):
@@ -333,6 +337,9 @@ class RolloutDriver:
             else:
                 rec.env_reset = None
                 self.turns.record(rec, res, cohort, now)
+                self.timings.turn(trajectory_key(tid, rec.attempt), rec.turn, cohort.submitted,
+                                  now, (rec.env_worker, rec.prefill_worker, rec.decode_worker),
+                                  cohort.suffix, res)
                 shape = rec.last_shape
                 self.lengths.record(rec.env_task.name, len(res.sample.token_ids) if shape is None
                                     else res.sample.virtual_tokens - shape.prompt_tokens)

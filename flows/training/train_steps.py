@@ -15,6 +15,7 @@ from collections.abc import Callable
 from distributed import Future
 
 from flows.monitoring.metrics import MetricSink, batch_metrics, perf_metrics
+from flows.monitoring.step_timings import StepLog, trajectory_key
 from flows.training import core
 from flows.training.events import Abandoned, Event, EventLoop, FutureKind
 from flows.training.lifecycle import DropReason
@@ -47,6 +48,7 @@ class TrainSteps:
         self.windows: list[tuple[float, float]] = []  # (submitted, recorded) of every step
         self.batch_info: dict = {}  # the batch's metrics, for the row of its step
         self.last_metrics: dict = {}
+        self.timings = StepLog()  # each step's cut, end and trajectories: its critical path
         self.restored_from = restored_from
         self.future: Future | None = None
         self._submitted_at = 0.0
@@ -62,6 +64,8 @@ class TrainSteps:
         for callback in self.batch_callbacks:
             callback(batch.version + 1, batch.trajectories)  # as train/step will name it
         self._submitted_at = time.perf_counter()
+        self.timings.cut(batch.version + 1, [trajectory_key(t.traj_id, t.attempt)
+                                             for t in batch.trajectories], time.time())
         self.batch_info = batch_metrics(batch.trajectories, batch.staleness,
                                         batch.stale_dropped)
 
@@ -84,6 +88,7 @@ class TrainSteps:
         carried out yet)."""
         now = time.perf_counter()
         self.windows.append((self._submitted_at, now))
+        self.timings.trained(time.time())
         instructions = self.core.trained(stats.policy_version, now)
         faults = {}
         for ins in instructions:

@@ -97,6 +97,22 @@ def test_page_and_metrics_carry_the_run_while_it_trains(session, finished_run):
     assert "rollarc-run-start" in actions and "rollarc-run-end" in actions
 
 
+def test_each_step_says_why_it_took_as_long_as_it_did(finished_run):
+    """The critical path of every trained step in summary.json, and the latest on the page's
+    data while the run trains (from the driver's timings: this run records no task stream)."""
+    steps = finished_run["summary"]["critical_path"]["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    pools = set(finished_run["run"].session.cluster.worker_pool.values())
+    for s in steps:
+        assert s["source"] == "driver" and s["seconds"] > 0
+        assert sum(s["categories"].values()) == pytest.approx(s["seconds"], rel=1e-3)
+        assert s["bottleneck"] in pools | {"driver"}
+        assert s["categories"]["train"] > 0
+        assert s["gating_trajectory"] is not None and s["gating_turns"] >= 1
+    live = json.loads(finished_run["live"][DATA_PATH])["live"]["critical_path"]
+    assert live["step"] == 1 and live["gating_trajectory"] == steps[0]["gating_trajectory"]
+
+
 def test_page_renders_its_plots_in_a_browser(finished_run, chromium):
     """Headless Chromium driven by Playwright: the plots arrive over the page's websocket after
     it loads, so wait for them; the screenshot is kept as a test artefact."""
