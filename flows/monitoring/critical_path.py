@@ -21,8 +21,9 @@ timestamps and what each turn measured on its workers (the emulated prefill, KV 
 decode waits; the environment's step time); the rest of a turn is ``unsplit`` (queueing at the
 pools, dispatch, a cohort's hold, env_reset, and a real engine's prefill and decode) at no pool
 (``unattributed``, never the bottleneck), and the scoring wait counts as ``reward``. Either way a
-weight load that pauses an engine during a turn counts in that turn's stage. Memory is bounded: the last :data:`KEEP_STEPS` steps, the turns of at most
-:data:`KEEP_TRAJECTORIES` trajectories (:mod:`flows.monitoring.step_timings`).
+weight load that pauses an engine during a turn counts in that turn's stage. Memory is bounded:
+the last :data:`KEEP_STEPS` steps, the turns of at most :data:`KEEP_TRAJECTORIES` trajectories
+(:mod:`flows.monitoring.step_timings`).
 """
 
 from __future__ import annotations
