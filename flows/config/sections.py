@@ -93,7 +93,10 @@ class RolloutConfig(Section):
     turn_placement: TurnPlacement = Field(
         default=TurnPlacement.SPLIT, description="split: every turn's prefill on the compute pool and "
         "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "
-        "whichever the device model says finishes first for its expected response length")
+        "whichever the device model says finishes first for its expected response length | "
+        "env_task: each env task's trajectories on the home (whole turns on the compute pool, "
+        "on the bandwidth pool, or split) that finishes them soonest per dollar by the device "
+        "model and the lengths they have shown, at the pools' load")
     env_barrier: bool = Field(
         default=False, description="Sync: batch-level environment handling, a baseline: each "
                                    "turn of the batch waits until every trajectory has finished "

@@ -34,7 +34,13 @@ from flows.monitoring.step_timings import TurnTimings, trajectory_key
 from flows.training.episode import RolloutRecord, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
 from flows.training.orchestration import PoolWorkers
-from flows.training.turn_placement import ResponseLengths, TurnPlan, place_turn
+from flows.training.turn_placement import (
+    EnvTaskAffinity,
+    LengthEstimates,
+    TurnPlacement,
+    TurnPlan,
+    place_turn,
+)
 from flows.training.turn_tasks import Cohort, CohortKey, Resume, TurnLog, TurnTasks
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
@@ -79,7 +85,11 @@ class RolloutDriver:
         self.key_tag = key_tag
         # rollout.turn_placement=length_aware: each inference worker's device model (None: split)
         self.devices = devices
-        self.lengths = ResponseLengths()
+        self.lengths = LengthEstimates.from_env_tasks(cfg.env_tasks)
+        # rollout.turn_placement=env_task: each env task's trajectories on their best-fit home
+        self.affinity = (EnvTaskAffinity(devices, self.lengths, cfg.engine.device.max_seqs)
+                         if devices is not None
+                         and cfg.rollout.turn_placement is TurnPlacement.ENV_TASK else None)
         self.run_id = run_id
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
@@ -303,7 +313,8 @@ class RolloutDriver:
         context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
         return place_turn(self.pool_workers, self.devices, rec.decode_worker,
                           rec.decode_worker if rec.last_decode is not None else None, prompt,
-                          context, self.lengths.expected(rec.env_task.name) if prompt else None)
+                          context, self.lengths.expected(rec.env_task.name) if prompt else None,
+                          affinity=self.affinity, env_task=rec.env_task.name)
 
     def _release(self, rec: RolloutRecord) -> None:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
@@ -342,7 +353,9 @@ class RolloutDriver:
                                   cohort.suffix, res)
                 shape = rec.last_shape
                 self.lengths.record(rec.env_task.name, len(res.sample.token_ids) if shape is None
-                                    else res.sample.virtual_tokens - shape.prompt_tokens)
+                                    else res.sample.virtual_tokens - shape.prompt_tokens,
+                                    len(res.consumed_ids) if shape is None
+                                    else shape.prompt_tokens, first=rec.turn == 0)
                 self._member_stepped(rec, res, out)
         self._release_barrier()
         return out
@@ -353,6 +366,7 @@ class RolloutDriver:
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
         if over:
+            self.lengths.finished(rec.env_task.name, rec.turn)
             if context_limited and not obs.done:
                 self.close_env(rec)
             if context_limited:

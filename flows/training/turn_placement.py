@@ -16,21 +16,50 @@ Each estimate adds the KV transfers the placement needs, the prefill of the turn
 its context, and the response's decode steps at the batch the worker is running (its turns in
 flight). The response length is *expected*: the mean of what the env task's earlier turns
 produced (output-length-aware dispatch); until an env task has finished turns, the split is used.
+
+``env_task`` maps each env task's trajectories to the home that finishes them soonest per
+dollar (arXiv 2512.22560v2 Sec. 4.1; :func:`resources.affinity.trajectory_affinity`): every turn
+on a compute-pool engine, every turn on a bandwidth-pool engine, or each turn split. It prices
+the env task's *trajectory* as its trajectories have shown it so far (:class:`LengthEstimates`:
+running means of its first prompt, later turns' new tokens, responses and turns, starting from
+the config's ``shape`` and the environment's ``max_turns``), on the engines the turn would get
+and their turns in flight. A trajectory whose KV already lives on a pool stays there: on a
+compute engine it keeps its whole turns there, on a bandwidth engine it chooses per turn between
+a whole turn and the split. :meth:`EnvTaskAffinity.mapping` reports each env task's home at
+idle pools with its estimate; it is logged once the env task has finished enough trajectories
+to settle it, and again when it changes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
+from resources.affinity import (
+    AffinityDecision,
+    Home,
+    PoolEngine,
+    TrajectoryShape,
+    trajectory_affinity,
+)
 from resources.device_model import DeviceModel
 from resources.pools import Tag
+
+if TYPE_CHECKING:
+    from flows.config import EnvTaskConfig
+    from flows.training.orchestration import PoolWorkers
+
+logger = logging.getLogger(__name__)
 
 
 class TurnPlacement(StrEnum):
     SPLIT = "split"
     LENGTH_AWARE = "length_aware"
+    ENV_TASK = "env_task"
 
 
 @dataclass(frozen=True)
@@ -42,20 +71,143 @@ class TurnPlan:
     estimate_s: float | None = None  # the device model's time for the turn (None: not asked)
 
 
+# the config's shape counts as this many trajectories' (or turns') worth of observations
+PRIOR_WEIGHT = 4
+# the running means never weigh a new observation below this: they follow the lengths as the
+# policy's responses grow or shrink during training (about the last 50 observations)
+MIN_STEP = 0.02
+# an estimate is a new version (decisions are priced again) once a mean moved this much
+VERSION_STEP = 0.02
+# finished trajectories after which an env task's mapping counts as settled (and is logged)
+SETTLE_TRAJECTORIES = 8
+MEMO_MAX = 4096  # decisions kept per driver (by env task, engines and their loads)
+
+
 @dataclass
-class ResponseLengths:
-    """Running mean of the response tokens each env task's turns produced."""
+class RunningMean:
+    """A mean that starts from a prior worth ``weight`` observations and weighs each new one at
+    least :data:`MIN_STEP` (an exponential moving average once it has seen enough)."""
 
-    total: Counter = field(default_factory=Counter)
-    count: Counter = field(default_factory=Counter)
+    value: float | None = None
+    weight: float = 0.0
 
-    def record(self, env_task: str, tokens: int) -> None:
-        self.total[env_task] += tokens
-        self.count[env_task] += 1
+    def update(self, x: float) -> None:
+        self.weight += 1.0
+        if self.value is None:
+            self.value = float(x)
+            return
+        self.value += max(1.0 / self.weight, MIN_STEP) * (x - self.value)
+
+
+@dataclass
+class EnvTaskLengths:
+    """One env task's running estimate of its trajectories' lengths."""
+
+    prompt: RunningMean = field(default_factory=RunningMean)  # the first turn's prompt
+    turn: RunningMean = field(default_factory=RunningMean)  # each later turn's new tokens
+    response: RunningMean = field(default_factory=RunningMean)  # each turn's response
+    turns: RunningMean = field(default_factory=RunningMean)  # turns per trajectory
+    trajectories: int = 0  # finished trajectories seen
+    responses: tuple[float, int] = (0.0, 0)  # observed response tokens: their sum and count
+    version: int = 0
+    _priced: tuple[float, ...] = ()  # the means at the last version
+
+    @classmethod
+    def from_prior(cls, prior: TrajectoryShape | None) -> EnvTaskLengths:
+        if prior is None:
+            return cls()
+        return cls(RunningMean(prior.prompt_tokens, PRIOR_WEIGHT),
+                   RunningMean(prior.turn_tokens, PRIOR_WEIGHT),
+                   RunningMean(prior.response_tokens, PRIOR_WEIGHT),
+                   RunningMean(prior.turns, PRIOR_WEIGHT))
+
+    def shape(self) -> TrajectoryShape | None:
+        """The estimate (None until a prompt and a response are known)."""
+        if self.prompt.value is None or self.response.value is None:
+            return None
+        turn = self.turn.value if self.turn.value is not None else self.prompt.value
+        return TrajectoryShape(self.prompt.value, turn, self.response.value,
+                               self.turns.value if self.turns.value is not None else 1.0)
+
+    def bump(self) -> None:
+        """A new version when a mean moved more than :data:`VERSION_STEP` since the last."""
+        now = tuple(m.value or 0.0 for m in (self.prompt, self.turn, self.response, self.turns))
+        if not self._priced or any(abs(a - b) > VERSION_STEP * max(abs(b), 1.0)
+                                   for a, b in zip(now, self._priced, strict=True)):
+            self._priced = now
+            self.version += 1
+
+
+def max_turns(env_spec: Any) -> int | None:
+    """The ``max_turns`` an environment's component spec sets, wrappers searched too."""
+    if isinstance(env_spec, dict):
+        if isinstance(env_spec.get("max_turns"), int):
+            return env_spec["max_turns"]
+        for value in env_spec.values():
+            found = max_turns(value)
+            if found is not None:
+                return found
+    return None
+
+
+class LengthEstimates:
+    """Per env task, running estimates of its trajectories' lengths (:class:`EnvTaskLengths`);
+    :meth:`expected` is the mean response of its turns (what ``length_aware`` asks)."""
+
+    def __init__(self, priors: dict[str, TrajectoryShape] | None = None):
+        self.priors = dict(priors or {})
+        self.tasks: dict[str, EnvTaskLengths] = {}
+
+    @classmethod
+    def from_env_tasks(cls, env_tasks: Iterable[EnvTaskConfig]) -> LengthEstimates:
+        """Priors from each env task's ``shape`` (its distributions' means) and its
+        environment's ``max_turns`` (trajectories assumed to use them all until some end)."""
+        priors = {}
+        for t in env_tasks:
+            if t.shape is not None:
+                mean = [min(d.mean, d.max) for d in (t.shape.prompt_tokens, t.shape.turn_tokens,
+                                                     t.shape.response_tokens)]
+                priors[t.name] = TrajectoryShape(*mean, float(max_turns(t.env) or 1))
+        return cls(priors)
+
+    def of(self, env_task: str) -> EnvTaskLengths:
+        if env_task not in self.tasks:
+            self.tasks[env_task] = EnvTaskLengths.from_prior(self.priors.get(env_task))
+            self.tasks[env_task].bump()
+        return self.tasks[env_task]
+
+    def record(self, env_task: str, tokens: int, prompt: int | None = None,
+               first: bool = False) -> None:
+        """A turn of ``env_task`` generated ``tokens`` after reading ``prompt`` new tokens
+        (``first``: the trajectory's first turn, whose prompt is the task's)."""
+        e = self.of(env_task)
+        e.response.update(tokens)
+        e.responses = (e.responses[0] + tokens, e.responses[1] + 1)
+        if prompt is not None:
+            (e.prompt if first else e.turn).update(prompt)
+        e.bump()
+
+    def finished(self, env_task: str, turns: int) -> None:
+        """A trajectory of ``env_task`` ended after ``turns`` turns."""
+        e = self.of(env_task)
+        e.turns.update(turns)
+        e.trajectories += 1
+        e.bump()
 
     def expected(self, env_task: str) -> float | None:
-        n = self.count[env_task]
-        return self.total[env_task] / n if n else None
+        """The plain mean of the responses ``env_task``'s turns produced (None before its
+        first: ``length_aware`` splits until then)."""
+        e = self.tasks.get(env_task)
+        if e is None or not e.responses[1]:
+            return None
+        return e.responses[0] / e.responses[1]
+
+    def shape(self, env_task: str) -> TrajectoryShape | None:
+        return self.of(env_task).shape()
+
+
+# the name the simulator and ``length_aware`` know it by
+ResponseLengths = LengthEstimates
 
 
 def least_loaded(workers: list[str], load: Counter) -> str:
@@ -100,14 +252,141 @@ def plan_turn(devices: dict[str, DeviceModel], load: Counter, compute: list[str]
     return min(options, key=lambda o: o.estimate_s)
 
 
+@dataclass
+class EnvTaskMapping:
+    """What :class:`EnvTaskAffinity` knows of one env task: its home at idle pools (None until
+    priced), whether that is settled, and the turns it placed on each home."""
+
+    home: Home | None = None
+    settled: bool = False
+    decision: AffinityDecision | None = None
+    shape: TrajectoryShape | None = None
+    version: int = -1
+    placed: Counter = field(default_factory=Counter)
+
+
+class EnvTaskAffinity:
+    """``rollout.turn_placement=env_task``: each turn of an env task's trajectory on the home
+    its estimate prices best (module docstring). ``devices``: each inference worker's engine;
+    ``lengths``: the running estimates the driver records into."""
+
+    def __init__(self, devices: dict[str, DeviceModel], lengths: LengthEstimates,
+                 max_seqs: int = 256):
+        self.devices, self.lengths, self.max_seqs = devices, lengths, max_seqs
+        self.tasks: dict[str, EnvTaskMapping] = {}
+        self._memo: dict[tuple, AffinityDecision] = {}
+        self._memo_version: dict[str, int] = {}
+
+    def decide(self, env_task: str, compute: str, bandwidth: str, load: Counter
+               ) -> AffinityDecision | None:
+        """The env task's homes priced on these two workers at their turns in flight (None
+        while nothing is known of its lengths)."""
+        est = self.lengths.of(env_task)
+        shape = est.shape()
+        if shape is None:
+            return None
+        if self._memo_version.get(env_task) != est.version:  # a new estimate: price anew
+            self._memo = {k: v for k, v in self._memo.items() if k[0] != env_task}
+            self._memo_version[env_task] = est.version
+        c, b = self.devices[compute], self.devices[bandwidth]
+        key = (env_task, c.hw.name, c.gpus, b.hw.name, b.gpus, load[compute], load[bandwidth])
+        if key not in self._memo:
+            if len(self._memo) > MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = trajectory_affinity(
+                shape, PoolEngine(c, load[compute], self.max_seqs),
+                PoolEngine(b, load[bandwidth], self.max_seqs))
+        self._observe(env_task, est.version, est.trajectories, shape, c, b)
+        return self._memo[key]
+
+    def _observe(self, env_task: str, version: int, trajectories: int, shape: TrajectoryShape,
+                 compute: DeviceModel, bandwidth: DeviceModel) -> None:
+        """Re-price the env task's home at idle pools for a new estimate; log it once settled
+        and whenever it changes after that."""
+        m = self.tasks.setdefault(env_task, EnvTaskMapping())
+        settled = trajectories >= SETTLE_TRAJECTORIES
+        if m.version == version and m.settled == settled:
+            return
+        if m.version != version:
+            m.version, m.shape = version, shape
+            m.decision = trajectory_affinity(shape, PoolEngine(compute, 0, self.max_seqs),
+                                             PoolEngine(bandwidth, 0, self.max_seqs))
+        home, was = m.decision.best.home, m.home
+        m.home = home
+        if settled and (not m.settled or home is not was):
+            logger.info("affinity: env task %s -> %s (%s)", env_task, home,
+                        describe(m.shape, m.decision))
+        m.settled = settled
+
+    def plan(self, workers: PoolWorkers, env_task: str, sticky: str | None,
+             kv_at: str | None) -> TurnPlan | None:
+        """The turn's placement (None: no estimate yet, or one worker serves both pools)."""
+        compute = workers.workers_by_tag.get(str(Tag.GPU_COMPUTE)) or []
+        bandwidth = workers.workers_by_tag.get(str(Tag.GPU_BANDWIDTH)) or []
+        if not compute or not bandwidth:
+            return None
+        load = workers.load
+        pre = kv_at if kv_at in compute else least_loaded(compute, load)
+        dec = (kv_at if kv_at in bandwidth else sticky if sticky in bandwidth
+               else least_loaded(bandwidth, load))
+        if pre == dec:
+            return None
+        decision = self.decide(env_task, pre, dec, load)
+        if decision is None:
+            return None
+        # a trajectory's KV stays where it lives: on a compute engine its turns stay whole there
+        homes = ((Home.COMPUTE,) if kv_at == pre else (Home.BANDWIDTH, Home.SPLIT)
+                 if kv_at == dec else tuple(Home))
+        choice = decision.choose(homes)
+        self.tasks[env_task].placed[choice.home] += 1
+        if choice.home is Home.COMPUTE:
+            return TurnPlan(pre, pre, Tag.GPU_COMPUTE, Tag.GPU_COMPUTE, choice.seconds)
+        if choice.home is Home.BANDWIDTH:
+            return TurnPlan(dec, dec, Tag.GPU_BANDWIDTH, Tag.GPU_BANDWIDTH, choice.seconds)
+        return TurnPlan(pre, dec, Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH, choice.seconds)
+
+    def mapping(self) -> dict[str, dict]:
+        """Each env task's home at idle pools, with its estimate and every home's price, and
+        the turns placed on each home (a run's summary can report it)."""
+        out = {}
+        for name, m in sorted(self.tasks.items()):
+            if m.decision is None or m.shape is None:
+                continue
+            out[name] = {
+                "home": str(m.home), "settled": m.settled,
+                "trajectories_seen": self.lengths.of(name).trajectories,
+                "estimate": {k: round(v, 1) for k, v in vars(m.shape).items()},
+                "dollars_per_trajectory": {str(o.home): round(o.dollars, 6)
+                                           for o in m.decision.options},
+                "seconds_alone": {str(o.home): round(o.seconds, 3) for o in m.decision.options},
+                "turns_placed": {str(h): n for h, n in sorted(m.placed.items())}}
+        return out
+
+
+def describe(shape: TrajectoryShape, decision: AffinityDecision) -> str:
+    """One line: the estimate, and each home's dollars and seconds per trajectory."""
+    homes = ", ".join(f"{o.home} ${o.dollars * 1e3:.3f}m/{o.seconds:.1f}s"
+                      for o in decision.options)
+    return (f"prompt {shape.prompt_tokens:.0f}, turn {shape.turn_tokens:.0f}, response "
+            f"{shape.response_tokens:.0f} tokens, {shape.turns:.1f} turns; per trajectory: "
+            f"{homes}")
+
+
 def place_turn(workers, devices: dict[str, DeviceModel] | None, decode_worker: str | None,
                kv_at: str | None, prompt: int, context: int,
-               expected: float | None) -> TurnPlan:
+               expected: float | None, *, affinity: EnvTaskAffinity | None = None,
+               env_task: str | None = None) -> TurnPlan:
     """Where a turn's prefill and decode run, on ``workers``
     (:class:`flows.training.orchestration.PoolWorkers`: each pool's workers and their load).
     Without device models (``split``), decode stays on the worker holding the cache and prefill
     joins it when that worker can prefill too (colocation), else goes to the least-loaded
-    compute worker; with them (``length_aware``), :func:`plan_turn` decides."""
+    compute worker; with ``affinity`` (``env_task``), :meth:`EnvTaskAffinity.plan` decides for
+    ``env_task``'s trajectory; with device models only (``length_aware``, and ``env_task`` before
+    its first estimate), :func:`plan_turn` decides."""
+    if affinity is not None and env_task is not None:
+        plan = affinity.plan(workers, env_task, decode_worker, kv_at)
+        if plan is not None:
+            return plan
     if devices is None:
         dec = workers.choose(Tag.GPU_BANDWIDTH, prefer=decode_worker)
         pre = workers.choose(Tag.GPU_COMPUTE, prefer=dec)
