@@ -33,7 +33,7 @@ from flows.simulation.calibration import turn_hops
 from flows.simulation.cluster import ControlPlane, SimCluster
 from flows.simulation.settings import SimSettings
 from flows.training import turn_placement, workload
-from flows.training.turn_placement import TurnPlan
+from flows.training.turn_placement import TurnPlacement, TurnPlan
 from resources.pools import Stage, Tag
 from resources.sim_engine import Clock
 from tasks.cohort import HOLD_FRACTION
@@ -112,7 +112,13 @@ class TurnRunner:
                  on_turn: Callable[[list[SimTrajectory]], None]):
         self.cfg, self.sim, self.clock = cfg, sim, clock
         self.cluster, self.control, self.on_turn = cluster, control, on_turn
-        self.lengths = turn_placement.ResponseLengths()
+        # the driver's running length estimates, and with rollout.turn_placement=env_task its
+        # per-env-task placement over them (as RolloutDriver builds them)
+        self.lengths = turn_placement.LengthEstimates.from_env_tasks(cfg.env_tasks)
+        self.affinity = (turn_placement.EnvTaskAffinity(cluster.turn_devices, self.lengths,
+                                                        cfg.engine.device.max_seqs)
+                         if cluster.turn_devices is not None
+                         and cfg.rollout.turn_placement is TurnPlacement.ENV_TASK else None)
         self.env_latency = environments.env_latencies(cfg)
         self.generated = 0  # response tokens decoded
         self.in_flight = 0  # trajectories with a turn submitted and not yet answered
@@ -151,7 +157,8 @@ class TurnRunner:
                     t.env_worker = pool_workers.choose(Tag.CPU_ENV)
                 plan = turn_placement.place_turn(
                     pool_workers, self.cluster.turn_devices, t.decode_worker, t.kv_at, t.prompt,
-                    t.context, self.lengths.expected(t.env_task.name))
+                    t.context, self.lengths.expected(t.env_task.name), affinity=self.affinity,
+                    env_task=t.env_task.name)
                 placed[t.group_id] = (t.env_worker, plan)
             for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
                 pool_workers.started(w)
@@ -258,6 +265,8 @@ class TurnRunner:
             self.in_flight -= 1
             for w in {cohort.plan.decode_worker, cohort.plan.prefill_worker, m.env_worker}:
                 self.cluster.pool_workers.finished(w)
+            if not m.failed:  # the driver records the lengths of the turns that came back
+                self.lengths.record(m.env_task.name, m.response, m.prompt, first=m.turn == 0)
         self.on_turn(ended)
 
     # -- a member's work in each stage -----------------------------------------------------------
@@ -317,7 +326,6 @@ class TurnRunner:
             self.generated += t.response
             t.kv_at = t.decode_worker = plan.decode_worker
             t.kv_key = key
-            self.lengths.record(t.env_task.name, t.response)
             self._member_done(t)
 
         self.clock.after(move, engine.submit, False, t.response, context, done, key, t.kv_key)
