@@ -66,6 +66,7 @@ from flows.benchmarks.tables import (
 )
 from flows.benchmarks.work import TRAINED_FILE, TrainedBatches
 from flows.config import TrainConfig, load_config
+from flows.monitoring import critical_path
 from resources.pools import Role
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "config" / "bench"
@@ -282,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
                           | {k: v for k, v in results.items() if k not in e2e}, vs_rollarc,
                           "rollarc")
             if len(results) > len(e2e) else ""]
+    # why each of rollarc's steps (first repeat) took as long as it did
+    first = out / "runs" / "rollarc-0"
+    steps_view = critical_path.step_breakdown(first) if (first / "summary.json").exists() else []
+    if steps_view:
+        report += ["", "## Why each step took as long as it did (rollarc, first repeat)", "",
+                   "The critical path of each train step (the trajectory whose end let the "
+                   "batch be cut, then the train step) in emulated seconds by kind of work, "
+                   "and the pool it spent most of them on.", "",
+                   critical_path.markdown(steps_view)]
     bench_wall = time.perf_counter() - started
     report += ["", f"bench wall time: {bench_wall:.0f} s"]
     text = "\n".join(report)
