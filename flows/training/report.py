@@ -81,6 +81,7 @@ class RunSummary(TypedDict, total=False):
     turns: dict  # count, mean wall and emulated-wait seconds
     workers: dict[str, dict]  # each worker's report, with its pool
     train_windows_s: list[tuple[float, float]]  # each train step, from the run's start
+    env_task_affinity: dict | None  # turn_placement=env_task: each env task's home, prices
     # the last steps' critical paths: time_scale, steps (flows.monitoring.critical_path)
     critical_path: dict
     elapsed_s: float
@@ -153,6 +154,9 @@ def summary(run: TrainingRun) -> RunSummary:
                   / max(n_turns, 1)},
         "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
         "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],
+        # rollout.turn_placement=env_task: each env task's home pool and its prices
+        "env_task_affinity": (run.driver.affinity.mapping()
+                              if run.driver.affinity is not None else None),
         "critical_path": {"time_scale": cfg.engine.time_scale if is_emulated(cfg.engine)
                           else 1.0, "steps": critical_path_steps(run, stream)},
         "elapsed_s": run.elapsed_s,
