@@ -35,11 +35,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from resources.device_model import DeviceModel
+from resources.kv_holds import KVHolds
 
 
 @dataclass
@@ -98,9 +99,7 @@ class EmulatedEngine:
         self._pause_s = 0.0
         self._pause_done: list[threading.Event] = []
         self._reserved = 0
-        self._held: OrderedDict[Hashable, int] = OrderedDict()  # key -> tokens, oldest first
-        self._held_tokens = 0
-        self._evicted: dict[Hashable, int] = {}  # key -> tokens evicted, until resumed/released
+        self._kv = KVHolds()
         self._arrivals = 0  # requests and pauses asked for so far: an interruptible wait ends
         self._admitted_at = 0  # ... when one came after the last admission
         self._closed = False
@@ -124,13 +123,12 @@ class EmulatedEngine:
     def release(self, key: Hashable) -> None:
         """Free the KV held under ``key`` (and forget that it was evicted); safe to repeat."""
         with self._cond:
-            self._held_tokens -= self._held.pop(key, 0)
-            self._evicted.pop(key, None)
+            self._kv.release(key)
 
     @property
     def held_tokens(self) -> int:
         """Tokens of KV held now for trajectories between requests."""
-        return self._held_tokens
+        return self._kv.tokens
 
     def pause(self, seconds: float, training: bool = False) -> None:
         """Hold the engine for ``seconds`` (unscaled) between two steps: a weight load, or a
@@ -175,54 +173,36 @@ class EmulatedEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_seqs:
             w = self._waiting[0]
-            own = self._held.get(w.resume, 0) if w.resume is not None else 0
-            over = self._reserved + self._held_tokens - own + w.kv_tokens - self.capacity
-            if over > self._held_tokens - own:
+            if not self._kv.make_room(self._reserved, w.kv_tokens, w.resume, self.capacity):
                 break  # FIFO: the head waits for running requests' memory, the rest behind it
-            if over > 0:
-                self._evict(over, keep=w.resume)
             self._waiting.popleft()
             self._resume(w)
             self._reserved += w.kv_tokens
             self._running.append(w)
         self.stats.max_running = max(self.stats.max_running, len(self._running))
+        self._kv_stats()
 
-    def _evict(self, tokens: int, keep: Hashable | None) -> None:
-        """Evict held KV, oldest first (never ``keep``'s), until ``tokens`` are free."""
-        freed = 0
-        for key in list(self._held):
-            if freed >= tokens:
-                break
-            if key == keep:
-                continue
-            n = self._held.pop(key)
-            self._held_tokens -= n
-            self._evicted[key] = n
-            freed += n
-            self.stats.kv_evictions += 1
+    def _kv_stats(self) -> None:
+        kv = self._kv
+        self.stats.kv_held_max, self.stats.kv_resumed = kv.max_tokens, kv.resumed
+        self.stats.kv_evictions, self.stats.kv_recomputed_tokens = (kv.evictions,
+                                                                    kv.recomputed_tokens)
 
     def _resume(self, w: _Work) -> None:
         """An admitted request takes over its held KV, or recomputes it if it was evicted."""
-        if w.resume is None:
-            return
-        if w.resume in self._held:
-            self._held_tokens -= self._held.pop(w.resume)
-            self.stats.kv_resumed += 1
-        elif w.resume in self._evicted:
-            lost = min(self._evicted.pop(w.resume), w.context)
+        lost = self._kv.take(w.resume, w.context)
+        if lost:
             if not w.prefill:  # read the lost context first, then decode
                 w.prefill, w.then_decode, w.left = True, w.left, 0
             w.left += lost
             w.context -= lost
-            self.stats.kv_recomputed_tokens += lost
 
     def _finish(self, w: _Work) -> None:
         self._running.remove(w)
         self._reserved -= w.kv_tokens
         if w.hold is not None:  # the reservation stays, as the trajectory's held KV
-            self._held_tokens += w.kv_tokens - self._held.pop(w.hold, 0)
-            self._held[w.hold] = w.kv_tokens
-            self.stats.kv_held_max = max(self.stats.kv_held_max, self._held_tokens)
+            self._kv.keep(w.hold, w.kv_tokens)
+            self._kv_stats()
         w.done.set()
 
     def _wait(self, seconds: float, interruptible: bool) -> float:

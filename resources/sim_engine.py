@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from resources.device_model import DeviceModel
+from resources.kv_holds import KVHolds
 
 
 class Clock:
@@ -137,11 +138,7 @@ class SimEngine:
         self.ctx_base = 0  # sum over decodes of (context at admission - step at admission)
         self.step = 0  # decode steps run so far (every running decode advances together)
         self.reserved = 0
-        self.held: OrderedDict[Hashable, int] = OrderedDict()  # key -> tokens, oldest first
-        self.held_tokens = 0
-        self.held_max = 0
-        self.evicted: dict[Hashable, int] = {}  # key -> tokens evicted, until resumed/released
-        self.resumed = self.evictions = self.recomputed_tokens = 0
+        self.kv = KVHolds()  # KV held for trajectories waiting for their environments
         self.pauses: list[tuple[float, Any]] = []
         self.busy_s = 0.0
         self.training_s = 0.0
@@ -166,8 +163,7 @@ class SimEngine:
 
     def release(self, key: Hashable) -> None:
         """Free the KV held under ``key`` (and forget that it was evicted); safe to repeat."""
-        self.held_tokens -= self.held.pop(key, 0)
-        self.evicted.pop(key, None)
+        self.kv.release(key)
 
     def pause(self, seconds: float, done=None, training: bool = False) -> None:
         self.pauses.append((seconds, done))
@@ -197,12 +193,8 @@ class SimEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.prefills) + self.n_dec < self.max_seqs:
             r = self.waiting[0]
-            own = self.held.get(r.resume, 0) if r.resume is not None else 0
-            over = self.reserved + self.held_tokens - own + r.kv - self.capacity
-            if over > self.held_tokens - own:
+            if not self.kv.make_room(self.reserved, r.kv, r.resume, self.capacity):
                 break  # FIFO: the head waits for running requests' memory
-            if over > 0:
-                self._evict(over, keep=r.resume)
             self.waiting.popleft()
             self._resume(r)
             self.reserved += r.kv
@@ -211,40 +203,18 @@ class SimEngine:
             else:
                 self._add_decode(r)
 
-    def _evict(self, tokens: int, keep: Hashable | None) -> None:
-        """Evict held KV, oldest first (never ``keep``'s), until ``tokens`` are free."""
-        freed = 0
-        for key in list(self.held):
-            if freed >= tokens:
-                break
-            if key == keep:
-                continue
-            n = self.held.pop(key)
-            self.held_tokens -= n
-            self.evicted[key] = n
-            freed += n
-            self.evictions += 1
-
     def _resume(self, r: _Req) -> None:
         """An admitted request takes over its held KV, or recomputes it if it was evicted."""
-        if r.resume is None:
-            return
-        if r.resume in self.held:
-            self.held_tokens -= self.held.pop(r.resume)
-            self.resumed += 1
-        elif r.resume in self.evicted:
-            lost = min(self.evicted.pop(r.resume), r.context)
+        lost = self.kv.take(r.resume, r.context)
+        if lost:
             if not r.prefill:  # read the lost context first, then decode
                 r.prefill, r.then_decode, r.left = True, r.left, 0
             r.left += lost
             r.context -= lost
-            self.recomputed_tokens += lost
 
     def _keep(self, r: _Req) -> None:
         """A finished request's reservation stays as its trajectory's held KV."""
-        self.held_tokens += r.kv - self.held.pop(r.hold, 0)
-        self.held[r.hold] = r.kv
-        self.held_max = max(self.held_max, self.held_tokens)
+        self.kv.keep(r.hold, r.kv)
 
     def _add_decode(self, r: _Req) -> None:
         r.finish_step = self.step + r.left

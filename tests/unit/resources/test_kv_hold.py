@@ -75,8 +75,8 @@ class _Sim:
 
     def state(self) -> dict:
         e = self.engine
-        return dict(held=e.held_tokens, resumed=e.resumed, evictions=e.evictions,
-                    recomputed=e.recomputed_tokens, busy=e.busy_s)
+        return dict(held=e.kv.tokens, resumed=e.kv.resumed, evictions=e.kv.evictions,
+                    recomputed=e.kv.recomputed_tokens, busy=e.busy_s)
 
     def close(self) -> None:
         pass
