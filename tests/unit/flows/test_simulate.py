@@ -158,7 +158,7 @@ def test_the_simulation_predicts_a_fresh_emulated_bench_run(tmp_path):
     stored-run test in test_simulate_validation.py is the precise one."""
     out = tmp_path / "bench"
     r = subprocess.run([sys.executable, "flows/bench.py", "--workload", "uniform", "--sections",
-                        "end_to_end", "--only", "sync-disaggregated", "--steps", "4",
+                        "end_to_end", "--only", "sync-disaggregated", "--steps", "4", "--repeats", "1",
                         "--out", str(out), "--", "engine.time_scale=0.05", "seed=3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
