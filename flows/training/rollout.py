@@ -13,9 +13,10 @@ orchestration whatever it computes, so this is what lets the embedded default's 
 turns run at the speed of a single-process loop; ``cohort_max: 1`` submits every trajectory's
 turn on its own. A cohort is no barrier: a stage returns with the members done, the others go
 on in the background and the driver continues them as soon as the stage's answer reaches it
-(``rollout.cohort_barrier: true`` makes every stage wait for all its members instead). The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard
-groups them by stage and a restarted trajectory never picks up an old key's result. Every change
-of a trajectory's state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`.
+(``rollout.cohort_barrier: true`` makes every stage wait for all its members instead). The
+tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups them by stage
+and a restarted trajectory never picks up an old key's result. Every change of a trajectory's
+state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`.
 """
 
 from __future__ import annotations
