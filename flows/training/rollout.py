@@ -291,7 +291,7 @@ class RolloutDriver:
             if key in self._abandoned or now - cohort.submitted < timeout_s:
                 continue
             env_w = self.live[cohort.traj_ids[0]].env_worker
-            if cohort.decode.status == "finished":
+            if cohort.decode is None or cohort.decode.status == "finished":  # None: past it
                 where = (f"environment {cohort.env_task} on {env_w} (instances "
                          f"{[self.live[t].handle.instance_id for t in cohort.traj_ids][:4]})")
             else:
