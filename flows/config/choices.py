@@ -19,3 +19,9 @@ class Placement(StrEnum):
 class RewardBackend(StrEnum):
     LAMBDA = "lambda"  # boto3 lambda.invoke (AWS, or the local emulation)
     LOCAL = "local"  # the handler's core in-process on the reward worker
+
+
+class TurnPlacement(StrEnum):
+    SPLIT = "split"  # every turn's prefill on the compute pool, decode on the bandwidth pool
+    LENGTH_AWARE = "length_aware"  # per turn, split or kept on one pool by the device model
+    ENV_TASK = "env_task"  # each env task's trajectories on their best-fit pool

@@ -10,9 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from flows.config.choices import RewardBackend
+from flows.config.choices import RewardBackend, TurnPlacement
 from flows.config.fields import ComponentSpec, RewardFn, Section, component_spec
-from flows.training.turn_placement import TurnPlacement
 from flows.training.workload import TurnShapeConfig
 from resources.emulated import DeviceEmulation
 from resources.emulated_judge import JudgeEmulation

@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections import Counter
 
 from flows.config import TrainConfig
-from flows.config.choices import Placement, RewardBackend
+from flows.config.choices import Placement, RewardBackend, TurnPlacement
 from flows.config.derived import device_model, effective_pools, pool_hardware, trainer_gpus
 from flows.simulation.settings import SimSettings
 from flows.training import launch, orchestration
-from flows.training.turn_placement import TurnPlacement
 from resources import emulated
 from resources.catalog import HardwareProfile, get_profile
 from resources.device_model import DeviceModel

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flows.config import TrainConfig
+from flows.config.choices import TurnPlacement
 from flows.simulation import environments
 from flows.simulation.calibration import turn_hops
 from flows.simulation.cluster import ControlPlane, SimCluster
 from flows.simulation.settings import SimSettings
 from flows.training import turn_placement, workload
-from flows.training.turn_placement import TurnPlacement, TurnPlan
+from flows.training.turn_placement import TurnPlan
 from resources.pools import Stage, Tag
 from resources.sim_engine import Clock
 from tasks.cohort import HOLD_FRACTION

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import partial
 
 from flows.config import ConfigError, TrainConfig, reward_callables
-from flows.config.choices import Placement, RewardBackend
+from flows.config.choices import Placement, RewardBackend, TurnPlacement
 from flows.config.derived import (
     device_model,
     effective_pools,
@@ -21,7 +21,6 @@ from flows.config.derived import (
     trainer_gpus,
     trainer_hparams,
 )
-from flows.training.turn_placement import TurnPlacement
 from resources.affinity import pool_tags, route
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle, connect, start_local_cluster

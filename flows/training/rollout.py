@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from distributed import Client, Future
 
 from flows.config import EnvTaskConfig, TrainConfig
+from flows.config.choices import TurnPlacement
 from flows.config.derived import batch_trajectories, with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.monitoring.step_timings import TurnTimings, trajectory_key
@@ -38,7 +39,6 @@ from flows.training.orchestration import PoolWorkers
 from flows.training.turn_placement import (
     EnvTaskAffinity,
     LengthEstimates,
-    TurnPlacement,
     TurnPlan,
     place_turn,
 )

@@ -36,7 +36,6 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from resources.affinity import (
@@ -54,12 +53,6 @@ if TYPE_CHECKING:
     from flows.training.orchestration import PoolWorkers
 
 logger = logging.getLogger(__name__)
-
-
-class TurnPlacement(StrEnum):
-    SPLIT = "split"
-    LENGTH_AWARE = "length_aware"
-    ENV_TASK = "env_task"
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ import logging
 import pytest
 
 from flows.config import load_config
+from flows.config.choices import TurnPlacement
 from flows.training.orchestration import PoolWorkers
 from flows.training.turn_placement import (
     PRIOR_WEIGHT,
     SETTLE_TRAJECTORIES,
     EnvTaskAffinity,
     LengthEstimates,
-    TurnPlacement,
     max_turns,
     place_turn,
 )
