@@ -176,7 +176,7 @@ class EmulatedEngine:
             if not self._kv.make_room(self._reserved, w.kv_tokens, w.resume, self.capacity):
                 break  # FIFO: the head waits for running requests' memory, the rest behind it
             self._waiting.popleft()
-            self._resume(w)
+            self._kv.resume(w)  # its held KV, or recompute what was evicted
             self._reserved += w.kv_tokens
             self._running.append(w)
         self.stats.max_running = max(self.stats.max_running, len(self._running))
@@ -188,14 +188,6 @@ class EmulatedEngine:
         self.stats.kv_evictions, self.stats.kv_recomputed_tokens = (kv.evictions,
                                                                     kv.recomputed_tokens)
 
-    def _resume(self, w: _Work) -> None:
-        """An admitted request takes over its held KV, or recomputes it if it was evicted."""
-        lost = self._kv.take(w.resume, w.context)
-        if lost:
-            if not w.prefill:  # read the lost context first, then decode
-                w.prefill, w.then_decode, w.left = True, w.left, 0
-            w.left += lost
-            w.context -= lost
 
     def _finish(self, w: _Work) -> None:
         self._running.remove(w)

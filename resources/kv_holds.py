@@ -64,6 +64,17 @@ class KVHolds:
         self.recomputed_tokens += lost
         return lost
 
+    def resume(self, request) -> None:
+        """An admitted request (``resume``, ``context``, ``prefill``, ``left``, ``then_decode``)
+        takes over its held KV; if it was evicted, the request first recomputes it (a decode
+        turns into a prefill of the lost context, then decodes)."""
+        lost = self.take(request.resume, request.context)
+        if lost:
+            if not request.prefill:
+                request.prefill, request.then_decode, request.left = True, request.left, 0
+            request.left += lost
+            request.context -= lost
+
     def keep(self, hold: Hashable, tokens: int) -> None:
         """A finished request's reservation stays, held under ``hold``."""
         self.tokens += tokens - self.held.pop(hold, 0)

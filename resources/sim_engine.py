@@ -196,21 +196,13 @@ class SimEngine:
             if not self.kv.make_room(self.reserved, r.kv, r.resume, self.capacity):
                 break  # FIFO: the head waits for running requests' memory
             self.waiting.popleft()
-            self._resume(r)
+            self.kv.resume(r)  # its held KV, or recompute what was evicted
             self.reserved += r.kv
             if r.prefill:
                 self.prefills.append(r)
             else:
                 self._add_decode(r)
 
-    def _resume(self, r: _Req) -> None:
-        """An admitted request takes over its held KV, or recomputes it if it was evicted."""
-        lost = self.kv.take(r.resume, r.context)
-        if lost:
-            if not r.prefill:  # read the lost context first, then decode
-                r.prefill, r.then_decode, r.left = True, r.left, 0
-            r.left += lost
-            r.context -= lost
 
     def _keep(self, r: _Req) -> None:
         """A finished request's reservation stays as its trajectory's held KV."""
