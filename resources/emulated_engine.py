@@ -188,7 +188,6 @@ class EmulatedEngine:
         self.stats.kv_evictions, self.stats.kv_recomputed_tokens = (kv.evictions,
                                                                     kv.recomputed_tokens)
 
-
     def _finish(self, w: _Work) -> None:
         self._running.remove(w)
         self._reserved -= w.kv_tokens

@@ -203,7 +203,6 @@ class SimEngine:
             else:
                 self._add_decode(r)
 
-
     def _keep(self, r: _Req) -> None:
         """A finished request's reservation stays as its trajectory's held KV."""
         self.kv.keep(r.hold, r.kv)

@@ -82,3 +82,19 @@ def chromium() -> str:
     if not found:
         pytest.skip(f"chromium could not be installed: {proc.stderr.strip()[-300:]}")
     return found
+
+
+@pytest.fixture
+def restore_global_rngs():
+    """Leave the process-wide RNGs (random, numpy, torch) as the test found them: tests that
+    seed them (sampling, trainers) must not change what later tests draw."""
+    import random
+
+    import numpy as np
+    import torch
+
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(th)

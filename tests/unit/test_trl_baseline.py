@@ -5,10 +5,8 @@ rows, and the figures and comparison read them. Skipped without the ``trl`` extr
 from __future__ import annotations
 
 import json
-import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,15 +17,8 @@ from flows.config import load_config  # noqa: E402
 from tasks.components import instantiate  # noqa: E402
 from tasks.policy import encode_first_turn, encode_next_turn, load_policy  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _restore_global_rngs():
-    """Sampling and TRL seed the process-wide RNGs; leave them as they were."""
-    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(py)
-    np.random.set_state(npy)
-    torch.set_rng_state(th)
+# they seed the process-wide RNGs: leave them as they were
+pytestmark = pytest.mark.usefixtures("restore_global_rngs")
 
 
 def _cfg(*overrides: str):

@@ -16,15 +16,8 @@ from tasks.records import TrainBatch, TrainSample
 from tasks.specs import PolicySpec, TrainerHParams
 from tasks.trainer import PolicyTrainer, Trainer, policy_trainer, train_step
 
-
-@pytest.fixture(autouse=True)
-def _restore_global_rngs():
-    """These tests seed and restore the process-wide RNGs; leave them as they were."""
-    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(py)
-    np.random.set_state(npy)
-    torch.set_rng_state(th)
+# they seed the process-wide RNGs: leave them as they were
+pytestmark = pytest.mark.usefixtures("restore_global_rngs")
 
 
 # exact equality of steps and tensors built on the host: the CPU, whatever the machine has
