@@ -8,7 +8,7 @@ without looking inside.
 batched forward engine (:class:`resources.engine.InferenceEngine`): prefill (compute-bound) reads
 the turn's new tokens after the cache so far and returns only their KV plus the last position's
 logits; decode (bandwidth-bound) samples from those logits and continues token by token, running
-only the tokens it sampled itself, so the cache it leaves covers the whole conversation so far.
+only the tokens it sampled itself, except the last, which the next turn's prefill reads first.
 No token's KV is computed twice.
 """
 
@@ -85,7 +85,11 @@ def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokeniz
     """Sample the turn's response starting from prefill's logits.
 
     The cache grows on this worker: ``cache.kv`` (already here when turn placement keeps a
-    trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'.
+    trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'. The
+    last sampled token is not run: no token is sampled from its logits in this turn, so its KV
+    is left to the next turn's prefill, which reads it first (``KVCache.pending_ids``), as a
+    serving engine leaves a finished request's last token unprocessed. A one-token response
+    then costs decode no forward pass at all.
     """
     parts = [cache.kv] if cache is not None else []
     kv = torch.from_numpy(np.concatenate(parts + [prefill_out.kv_new], axis=3))
@@ -101,18 +105,14 @@ def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokeniz
         logprobs.append(lp)
         versions.append(version)
         stopped = tok in stop_ids
-        if kv.shape[3] + 1 >= max_context:
-            context_full = True  # the trajectory ends here; the token is never read back
+        # the context holds the cache, this token and the next turn's input
+        context_full = kv.shape[3] + 1 >= max_context
+        if stopped or context_full or len(tokens) >= params.max_new_tokens:
             break
-        # Run the sampled token so the cache left here is complete: the next turn's prefill
-        # reads only the new observation tokens. Its weights count for staleness even when no
-        # token is sampled from its logits (the last token of the turn).
         res = engine.forward(kv, [tok])
         processed += 1
         oldest = min(oldest, res.version)
         kv = torch.cat([kv, res.kv_new], dim=3)
-        if stopped or len(tokens) >= params.max_new_tokens:
-            break
         logits, version = res.last_logits, res.version
     text_ids = tokens[:-1] if stopped else tokens
     sample = TurnSample(
@@ -120,8 +120,7 @@ def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokeniz
         text=tokenizer.decode(text_ids, skip_special_tokens=True), stopped=stopped,
         context_full=context_full, decode_tokens_processed=processed, oldest_version=oldest,
     )
-    pending = [tokens[-1]] if context_full else []
-    return DecodeOutput(cache=KVCache(kv.numpy(), pending), sample=sample)
+    return DecodeOutput(cache=KVCache(kv.numpy(), [tokens[-1]]), sample=sample)
 
 
 def load_weights(backend, snapshot: WeightsSnapshot) -> int:

@@ -78,7 +78,7 @@ class TurnShape:
 @dataclass
 class KVCache:
     """The ``hf`` backend's cache handle: the KV of every token so far except ``pending_ids``
-    (non-empty only when the context limit stopped decoding), which a next prefill reads first.
+    (the last sampled token, whose KV no turn needed yet), which a next prefill reads first.
 
     kv: [layers, 2, kv_heads, tokens, head_dim].
     """

@@ -99,6 +99,7 @@ def test_a_bfloat16_model_hands_back_float32_cpu_results(policy, obs):
         out = decode(backend, pre, None, SamplingParams(max_new_tokens=5), seed=0)
         assert pre.kv_new.dtype == out.cache.kv.dtype == np.float32
         assert out.cache.kv.shape[3] == 4 + out.sample.decode_tokens_processed
+        assert out.sample.decode_tokens_processed == len(out.sample.token_ids) - 1
         assert np.isfinite(out.sample.logprobs).all()
     finally:
         engine.close()

@@ -21,15 +21,17 @@ def test_two_turns_compute_each_token_once_and_match_teacher_forcing(make_backen
     assert (p0.n_past, p0.n_new) == (0, len(turn0))
     d0 = decode(backend, p0, None, params, seed=1)
     s0 = d0.sample
-    # decode runs exactly the tokens it sampled; prefill ran exactly the turn's input
-    assert s0.decode_tokens_processed == len(s0.token_ids)
-    assert d0.cache.n_tokens == len(turn0) + len(s0.token_ids) and d0.cache.pending_ids == []
+    # decode runs the tokens it sampled but the last, which the next prefill reads first;
+    # prefill ran exactly the turn's input
+    assert s0.decode_tokens_processed == len(s0.token_ids) - 1
+    assert d0.cache.n_tokens == len(turn0) + len(s0.token_ids) - 1
+    assert d0.cache.pending_ids == s0.token_ids[-1:]
     turn1 = [5, 3, 9, 10, 4]
     p1 = prefill(backend, d0, obs(turn1))
-    assert p1.n_past == d0.cache.n_tokens and p1.n_new == len(turn1)
+    assert p1.n_past == d0.cache.n_tokens and p1.n_new == 1 + len(turn1)
     d1 = decode(backend, p1, d0, params, seed=2)
     seq = turn0 + s0.token_ids + turn1 + d1.sample.token_ids
-    assert d1.cache.n_tokens == len(seq)
+    assert d1.cache.n_tokens + len(d1.cache.pending_ids) == len(seq)
     # behaviour log-probs equal teacher-forced log-probs of the same weights
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
@@ -47,7 +49,8 @@ def test_stop_token_ends_turn(make_backend, policy, obs):
     p = prefill(backend, None, obs([3, 6, 4]))
     out = decode(backend, p, None, SamplingParams(max_new_tokens=5), seed=0)
     assert out.sample.stopped and len(out.sample.token_ids) == 1
-    assert out.sample.decode_tokens_processed == 1 and out.cache.n_tokens == 4
+    assert out.sample.decode_tokens_processed == 0 and out.cache.n_tokens == 3
+    assert out.cache.pending_ids == out.sample.token_ids
 
 
 def test_context_limit_marks_context_full(make_backend, obs):
@@ -60,24 +63,25 @@ def test_context_limit_marks_context_full(make_backend, obs):
 
 
 def test_kv_only_forward_passes_count_for_staleness(make_backend, policy, obs):
-    """Prefill on v1 weights, decode on a worker still at v0, one token per turn: the token is
-    sampled from prefill's (v1) logits, but decode's pass that writes its KV runs on v0, and the
-    next turn reads that KV; the trajectory's oldest version must be 0."""
+    """Prefill on v1 weights, decode on a worker still at v0, two tokens per turn: the first is
+    sampled from prefill's (v1) logits, the second from decode's pass on v0, which writes the
+    first one's KV; the trajectory's oldest version must be 0. The last token's KV is written
+    by the next turn's prefill (v1), whose version its first sample carries."""
     model, _ = policy
     state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     compute, bandwidth = make_backend(stop_ids=[]), make_backend(stop_ids=[])
     compute.load_weights(WeightsSnapshot(1, state))
     bandwidth.load_weights(WeightsSnapshot(0, state))
-    params = SamplingParams(max_new_tokens=1)
+    params = SamplingParams(max_new_tokens=2)
     rec = RolloutRecord(0, "g", EnvTaskConfig(name="e", env={"_component_": "e.E"}), 0)
     past = None
     for turn, ids in enumerate(([3, 6, 7, 4], [5, 3, 9, 4])):
         p = prefill(compute, past, obs(ids))
         past = decode(bandwidth, p, past, params, seed=turn)
-        assert past.sample.versions == [1] and past.sample.oldest_version == 0
+        assert past.sample.versions == [1, 0] and past.sample.oldest_version == 0
         rec.record_turn(EnvObservation(EnvHandle("w", "e"), "", [], consumed_ids=ids,
                                        sample=past.sample))
     traj = rec.to_trajectory(EnvObservation(EnvHandle("w", "e"), "", []), False)
-    assert traj.versions[traj.loss_mask].tolist() == [1, 1]
+    assert traj.versions[traj.loss_mask].tolist() == [1, 0, 1, 0]
     assert traj.oldest_version == 0
     assert staleness(1, traj) == 1
