@@ -97,10 +97,15 @@ class PolicyTrainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy."""
+    def _logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy.
+
+        Rows are padded on the right, so the causal mask alone keeps every real token from
+        attending to padding, and positions count from 0 as they do unpadded: no attention mask
+        is passed, which lets SDPA take its causal kernel. The padded positions' values are
+        never read (the loss mask is 0 there)."""
         with self._autocast():
-            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            logits = self.model(input_ids=ids, use_cache=False).logits
         logp_all = torch.log_softmax(logits.float()[:, :-1] / self.hp.temperature, dim=-1)
         tok = torch.gather(logp_all, 2, ids[:, 1:, None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1)
@@ -108,31 +113,42 @@ class PolicyTrainer:
         return torch.cat([pad, tok], 1), torch.cat([pad, ent], 1)
 
     def _tensors(self, batch: TrainBatch) -> tuple[torch.Tensor, ...]:
-        """The batch padded on the right, on the model's device: token ids, attention mask,
-        loss mask, behaviour log-probs ([B, T] each) and advantages ([B])."""
+        """The batch padded on the right, on the model's device: token ids, loss mask,
+        behaviour log-probs ([B, T] each) and advantages ([B]); and the lengths ([B], CPU)."""
         S = batch.samples
         T = max(len(s.token_ids) for s in S)
         ids = torch.zeros(len(S), T, dtype=torch.long)
-        attn = torch.zeros(len(S), T, dtype=torch.long)
         mask = torch.zeros(len(S), T, dtype=torch.bool)
         behav = torch.zeros(len(S), T)
         for i, s in enumerate(S):
             n = len(s.token_ids)
             ids[i, :n] = torch.from_numpy(np.asarray(s.token_ids, dtype=np.int64))
-            attn[i, :n] = 1
             mask[i, :n] = torch.from_numpy(np.asarray(s.loss_mask, dtype=bool))
             behav[i, :n] = torch.from_numpy(np.asarray(s.behaviour_logprobs, dtype=np.float32))
         adv = torch.tensor([s.advantage for s in S], dtype=torch.float32)
-        return tuple(t.to(self.device) for t in (ids, attn, mask, behav, adv))
+        lengths = torch.tensor([len(s.token_ids) for s in S])
+        return (*(t.to(self.device) for t in (ids, mask, behav, adv)), lengths)
+
+    def _batched_logprobs(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """:meth:`_logprobs` of every row, without gradient, in ``hp.minibatches`` passes over
+        rows of similar length, each cut to its longest row: one pass over the whole padded
+        batch's values, at a fraction of its padding."""
+        out = torch.zeros(ids.shape, device=ids.device)
+        order = torch.argsort(lengths)
+        for rows in torch.tensor_split(order, min(self.hp.minibatches, len(order))):
+            n = int(lengths[rows].max())
+            rows = rows.to(ids.device)
+            out[rows, :n] = self._logprobs(ids[rows, :n])[0]
+        return out
 
     def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         """What the current weights give each sample's tokens, computed as a train step computes
-        its proximal log-probs (the whole batch in one pass): one float32 array per sample,
-        position 0 gets 0. Set against ``behaviour_logprobs`` it measures the mismatch between
-        the sampler's numerics and the trainer's."""
+        its proximal log-probs: one float32 array per sample, position 0 gets 0. Set against
+        ``behaviour_logprobs`` it measures the mismatch between the sampler's numerics and the
+        trainer's."""
         with self._lock, torch.no_grad():
-            ids, attn, *_ = self._tensors(batch)
-            logp = self._logprobs(ids, attn)[0].cpu().numpy()
+            ids, _mask, _behav, _adv, lengths = self._tensors(batch)
+            logp = self._batched_logprobs(ids, lengths).cpu().numpy()
         return [logp[i, :len(s.token_ids)].copy() for i, s in enumerate(batch.samples)]
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
@@ -143,9 +159,9 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         if batch.policy_version != self.version:
             raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
-        ids, attn, mask, behav, adv = self._tensors(batch)
+        ids, mask, behav, adv, lengths = self._tensors(batch)
         with torch.no_grad():
-            prox, _ = self._logprobs(ids, attn)
+            prox = self._batched_logprobs(ids, lengths)
         stats = []
         order = list(range(len(batch.samples)))
         for _ in range(self.hp.ppo_epochs):
@@ -153,11 +169,13 @@ class PolicyTrainer:
             for mb in np.array_split(np.array(order), self.hp.minibatches):
                 if len(mb) == 0:
                     continue
+                n = int(lengths[mb].max())  # the minibatch cut to its longest row
                 idx = torch.from_numpy(mb).to(self.device)
-                logp, ent = self._logprobs(ids[idx], attn[idx])
-                out = self.loss(logp, prox[idx], behav[idx], adv[idx], mask[idx],
+                m_mask = mask[idx, :n]
+                logp, ent = self._logprobs(ids[idx, :n])
+                out = self.loss(logp, prox[idx, :n], behav[idx, :n], adv[idx], m_mask,
                                 clip_eps=self.hp.clip_eps, tis_cap=self.hp.tis_cap)
-                m = mask[idx].float()
+                m = m_mask.float()
                 entropy = (ent * m).sum() / m.sum().clamp(min=1)
                 loss = out.loss - self.hp.entropy_coef * entropy
                 self.optimizer.zero_grad(set_to_none=True)

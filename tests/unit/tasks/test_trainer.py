@@ -87,7 +87,7 @@ def test_log_probs_are_computed_without_dropout():
     # a clip range far below dropout's noise, far above float rounding
     trainer = PolicyTrainer(model, tok, TrainerHParams(minibatches=1, clip_eps=1e-3))
     with torch.no_grad():
-        first, second = trainer._logprobs(ids, attn)[0], trainer._logprobs(ids, attn)[0]
+        first, second = trainer._logprobs(ids)[0], trainer._logprobs(ids)[0]
     assert torch.equal(first, second)
     # one minibatch, before its optimiser step: on-policy, so no drift and no clipping
     stats = trainer.train_step(batch)
