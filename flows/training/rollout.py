@@ -16,12 +16,13 @@ on in the background and the driver continues them as soon as the stage's answer
 (``rollout.cohort_barrier: true`` makes every stage wait for all its members instead). The
 tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups them by stage
 and a restarted trajectory never picks up an old key's result. Every change of a trajectory's
-state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`.
+state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`. What a fault does (a
+worker lost, a turn overdue, a member failed: restart or drop) is decided by
+:mod:`flows.training.rollout_faults`; the driver carries it out on its records.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,12 +31,13 @@ from distributed import Client, Future
 
 from flows.config import EnvTaskConfig, TrainConfig
 from flows.config.choices import TurnPlacement
-from flows.config.derived import batch_trajectories, with_env_faults
+from flows.config.derived import with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.monitoring.step_timings import TurnTimings, trajectory_key
 from flows.training.episode import RolloutRecord, sampling_params, turn_ends
-from flows.training.lifecycle import DropReason, RunFailing, TrajectoryLedger, TrajState
+from flows.training.lifecycle import DropReason, TrajectoryLedger, TrajState
 from flows.training.orchestration import PoolWorkers
+from flows.training.rollout_faults import RolloutFaults, strands_resume, strands_waiting
 from flows.training.turn_placement import (
     EnvTaskAffinity,
     LengthEstimates,
@@ -50,8 +52,6 @@ from tasks.cohort import Deferred, MemberError, Phase
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class TurnOutcome:
@@ -65,16 +65,13 @@ class TurnOutcome:
 EVAL_ID_OFFSET = 10**9
 
 
-class RolloutFailing(RunFailing):
-    pass
-
-
 class RolloutDriver:
     """Submits and advances trajectories; reports finished and dropped ones.
 
     ``start`` admits a trajectory and a finished turn readies the next one; ``flush`` submits
     every ready turn, in cohorts, and returns the futures to wait on; ``on_turn`` takes a
-    cohort's results (or its failure) back."""
+    cohort's results (or its failure) back; ``worker_lost`` and ``overdue`` give up on the
+    cohorts a fault hit (:class:`flows.training.rollout_faults.RolloutFaults` decides)."""
 
     def __init__(self, client: Client, cfg: TrainConfig, pool_workers: PoolWorkers,
                  ledger: TrajectoryLedger, stages: Stages, run_id: str = "run",
@@ -98,8 +95,6 @@ class RolloutDriver:
         # pass the first shard's table, so that replace_env reaches them all
         self.env_specs = env_specs if env_specs is not None else {
             t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
-        # consecutive failed turns, retries included, before the run stops with the last error
-        self.max_error_streak = 4 * max(cfg.rollout.max_in_flight, batch_trajectories(cfg))
         # evaluation decodes greedily: the policy's best answer, not a sample
         self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
                               for name, sp in self.sampling.items()}
@@ -113,17 +108,12 @@ class RolloutDriver:
         # each with its index under the handle
         self._resumes: dict[tuple[Phase, str], list[tuple[RolloutRecord, int]]] = {}
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
-        self.restarts: Counter[str] = Counter()  # trajectories restarted, by the reason
-        self.lost_workers: set[str] = set()
+        self.faults = RolloutFaults(cfg)
         self._next_id = 0
         # evaluation episodes take ids of their own, so that they never shift the training
         # trajectories' ids and with them their sampling seeds
         self._next_eval_id = EVAL_ID_OFFSET
         self._stopping = False
-        self.error_streak = 0
-        # cohorts the driver gave up on (a worker lost, a turn past rollout.turn_timeout_s):
-        # env_step key -> (reason, detail), read when the cancelled future comes back
-        self._abandoned: dict[str, tuple[DropReason, str]] = {}
         self.turns = TurnLog(cfg.metrics.task_stream, cfg.engine.time_scale)
         self.timings = TurnTimings()  # each trajectory's turns, for its step's critical path
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
@@ -132,6 +122,11 @@ class RolloutDriver:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def restarts(self) -> Counter[str]:
+        """Trajectories restarted, by the reason."""
+        return self.faults.restarts
 
     @property
     def waiting(self) -> int:
@@ -249,59 +244,6 @@ class RolloutDriver:
             futures.append(cohort.step)
         return futures
 
-    # -- faults -----------------------------------------------------------------------------
-    def worker_lost(self, worker: str) -> tuple[list[Future], TurnOutcome]:
-        """``worker`` left the cluster: the cohorts that needed it are abandoned (their
-        futures, returned, are for the caller to cancel; their members restart or drop when
-        they come back), and the waiting trajectories whose environment or cache lived there
-        restart now (or drop, in the outcome)."""
-        detail = f"{DropReason.WORKER_LOST}: {worker}"
-        self.lost_workers.add(worker)
-        lost = []
-        for key, cohort in self._cohorts.items():
-            if worker in cohort.workers and key not in self._abandoned:
-                self._abandoned[key] = (DropReason.WORKER_LOST, detail)
-                lost.append(cohort.step)
-        self.tasks.forget_closes_on(worker)
-        out = TurnOutcome()
-        for phase_handle, members in list(self._resumes.items()):
-            if worker in members[0][0].turn_key_workers():
-                del self._resumes[phase_handle]
-                for rec, _ in members:
-                    self._release(rec)
-                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
-        waiting, self._ready = self._ready, []
-        held, self._held = self._held, []
-        for recs, keep in ((waiting, self._ready), (held, self._held)):
-            for rec in recs:
-                if rec.handle is not None and worker in (rec.env_worker, rec.kv_worker):
-                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
-                else:
-                    keep.append(rec)
-        return lost, out
-
-    def overdue(self, timeout_s: float | None) -> list[Future]:
-        """The cohorts whose turn has not answered within ``timeout_s`` (the watchdog): each
-        is abandoned with a warning naming the environment or stage that stopped answering;
-        their futures are for the caller to cancel."""
-        if not timeout_s:
-            return []
-        now, late = time.time(), []
-        for key, cohort in self._cohorts.items():
-            if key in self._abandoned or now - cohort.submitted < timeout_s:
-                continue
-            env_w = self.live[cohort.traj_ids[0]].env_worker
-            if cohort.decode is None or cohort.decode.status == "finished":  # None: past it
-                where = (f"environment {cohort.env_task} on {env_w} (instances "
-                         f"{[self.live[t].handle.instance_id for t in cohort.traj_ids][:4]})")
-            else:
-                where = f"prefill/decode of {cohort.env_task} (env_step-{cohort.suffix})"
-            logger.warning("watchdog: %s did not answer within %.0f s", where, timeout_s)
-            self._abandoned[key] = (DropReason.TURN_TIMEOUT, f"{DropReason.TURN_TIMEOUT}: "
-                                    f"{where} did not answer within {timeout_s:.0f} s")
-            late.append(cohort.step)
-        return late
-
     def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
               shape: TurnShape | None) -> TurnPlan:
         """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`)."""
@@ -321,20 +263,44 @@ class RolloutDriver:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
             self.pool_workers.finished(w)
 
+    # -- faults -----------------------------------------------------------------------------
+    def worker_lost(self, worker: str) -> tuple[list[Future], TurnOutcome]:
+        """``worker`` left the cluster: the cohorts that needed it are abandoned (their
+        futures, returned, are for the caller to cancel; their members restart or drop when
+        they come back), and the waiting trajectories whose environment or cache lived there
+        restart now (or drop, in the outcome)."""
+        detail, lost = self.faults.worker_lost(worker, self._cohorts)
+        self.tasks.forget_closes_on(worker)
+        out = TurnOutcome()
+        for phase_handle, members in list(self._resumes.items()):
+            if strands_resume(worker, members[0][0]):
+                del self._resumes[phase_handle]
+                for rec, _ in members:
+                    self._release(rec)
+                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
+        waiting, self._ready = self._ready, []
+        held, self._held = self._held, []
+        for recs, keep in ((waiting, self._ready), (held, self._held)):
+            for rec in recs:
+                if strands_waiting(worker, rec):
+                    self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
+                else:
+                    keep.append(rec)
+        return lost, out
+
+    def overdue(self, timeout_s: float | None) -> list[Future]:
+        """The cohorts whose turn has not answered within ``timeout_s`` (the watchdog): each
+        is abandoned with a warning naming the environment or stage that stopped answering;
+        their futures are for the caller to cancel."""
+        return self.faults.overdue(self._cohorts, self.live, timeout_s)
+
     # -- completion -------------------------------------------------------------------------
     def on_turn(self, fut: Future, results: list | None) -> TurnOutcome:
         """A cohort's env_step finished: ``results`` holds each member's observation or
         :class:`tasks.cohort.MemberError` (None: the whole cohort failed or was lost)."""
         cohort = self._cohorts.pop(fut.key)
         now = time.time()
-        reason = DropReason.ROLLOUT_ERROR
-        if fut.key in self._abandoned:  # given up on: whatever came back is not used
-            reason, detail = self._abandoned.pop(fut.key)
-            results = [MemberError(detail)] * len(cohort.traj_ids)
-        elif results is None:
-            exc = fut.exception() if fut.status == "error" else RuntimeError(
-                f"{fut.status}: result lost")
-            results = [MemberError.of(exc)] * len(cohort.traj_ids)
+        results, reason = self.faults.results(fut, results, len(cohort.traj_ids))
         out = TurnOutcome()
         for tid, res in zip(cohort.traj_ids, results, strict=True):
             rec = self.live[tid]
@@ -362,7 +328,7 @@ class RolloutDriver:
         return out
 
     def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
-        self.error_streak = 0
+        self.faults.stepped()
         rec.record_turn(obs)
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
@@ -399,19 +365,10 @@ class RolloutDriver:
     def _member_failed(self, rec: RolloutRecord, error: str, out: TurnOutcome,
                        reason: DropReason = DropReason.ROLLOUT_ERROR) -> None:
         """A turn failed (task error, worker lost, timed out). Restart the trajectory from a
-        fresh environment while attempts remain, else drop it with ``reason``."""
-        logger.warning("trajectory %s attempt %d failed: %s", rec.traj_id, rec.attempt, error)
+        fresh environment while attempts remain, else drop it with ``reason`` (the faults
+        decide, :meth:`flows.training.rollout_faults.RolloutFaults.failed`)."""
         self.close_env(rec)
-        # a lost worker fails many turns at once without anything being wrong with them
-        if reason is not DropReason.WORKER_LOST:
-            self.error_streak += 1
-        if self.error_streak >= self.max_error_streak:
-            # every turn failing (an environment that cannot start, ...) would spin the run
-            raise RolloutFailing(f"the last {self.error_streak} turns failed, the last with "
-                                 f"{error}")
-        if rec.attempt + 1 < self.cfg.rollout.max_attempts and (not self._stopping
-                                                                 or rec.evaluation):
-            self.restarts[str(reason)] += 1
+        if self.faults.failed(rec, error, reason, self._stopping):
             rec.attempt += 1
             rec.reset_record()
             self._restart(rec)
@@ -430,7 +387,7 @@ class RolloutDriver:
 
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
-        if rec.handle is None or rec.handle.worker in self.lost_workers:
+        if rec.handle is None or self.faults.is_lost(rec.handle.worker):
             return None  # never placed, or lost with its worker
         return self.tasks.close_env(rec)
 
