@@ -14,6 +14,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One intra-op thread in this process and the ones it starts (train.py, notebooks), as the
+# workers run (cluster.pools[].torch_threads): the tiny policy's ops are too small to split, and
+# on a shared machine OpenMP's spare threads spin waiting for work (libgomp's OMP_WAIT_POLICY,
+# https://gcc.gnu.org/onlinedocs/libgomp/OMP_005fWAIT_005fPOLICY.html), slowing every test
+# several-fold. Set before torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from resources.engine import HFBackend, InferenceEngine  # noqa: E402
 from tasks.policy import load_policy, stop_token_ids  # noqa: E402
