@@ -27,6 +27,10 @@ pytestmark = pytest.mark.integration
 TRAIN = str(ROOT / "flows" / "train.py")
 SHORT = ["trainer.max_steps=2", "trainer.groups_per_step=2", "metrics.progress=false",
          "cluster.dashboard_port=0"]
+# in-process workers, for the runs whose checks do not depend on worker processes (a third of
+# the time of a run with five of them, each importing torch); the default flow's smoke run, the
+# CLI scheduler's and the interrupted Ctrl-C run keep real processes
+IN_PROCESS = "cluster.processes=false"
 STAGE_POOL = {"prefill": "compute", "decode": "bandwidth",
               "env_reset": "env", "env_step": "env", "score": "reward", "train_step": "trainer",
               "publish_weights": "trainer", "save_checkpoint": "trainer"}
@@ -116,8 +120,8 @@ def test_default_flow_smoke_leaves_a_complete_run_dir(tmp_path):
     assert ckpt["version"] == 2 and {"model", "optimizer", "torch_rng"} <= set(ckpt)
 
     resumed = tmp_path / "resumed"
-    _train(SHORT[1:] + ["trainer.max_steps=3", f"trainer.resume_from={run / 'checkpoint.pt'}"],
-           resumed)
+    _train(SHORT[1:] + ["trainer.max_steps=3", f"trainer.resume_from={run / 'checkpoint.pt'}",
+                        IN_PROCESS], resumed)
     steps = [m["train/step"] for m in read_metrics(resumed)]
     assert steps == [3]
 
@@ -130,7 +134,7 @@ SWAPPED = ["cluster.pools.0.profile=H20", "cluster.pools.1.profile=H800"]
     # the bench's systems (long) run monolithic placement too
     pytest.param(["placement=monolithic"], id="monolithic", marks=pytest.mark.long)])
 def test_baselines_run_through_the_same_flow(switches, tmp_path):
-    _train(SHORT + switches, tmp_path / "run")
+    _train(SHORT + switches + [IN_PROCESS], tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     _check_accounting(summary)
     placement = summary["tasks_per_stage_per_pool"]
@@ -153,7 +157,7 @@ def test_async_rollouts_overlap_training_and_staleness_is_bounded(tmp_path):
     # the in-process reward backend here; the other flow tests score through the emulation
     cfg = load_config(overrides=["trainer.max_steps=4", "trainer.groups_per_step=2",
                                  "cluster.dashboard_port=0", "rollout.max_staleness=2",
-                                 "reward.backend=local"])
+                                 "reward.backend=local", IN_PROCESS])
     cluster = make_cluster(cfg, None)
     try:
         # the dashboard answers
@@ -270,7 +274,7 @@ def test_a_failing_reward_service_stops_the_run_loudly(tmp_path):
     # every item fails verification (each task gets the other's verifier): nothing is scored 0,
     # every trajectory is dropped with its reason, and the run ends with an error, not a spin
     proc = subprocess.run(
-        [sys.executable, TRAIN, "--run-dir", str(tmp_path / "run"), *SHORT,
+        [sys.executable, TRAIN, "--run-dir", str(tmp_path / "run"), *SHORT, IN_PROCESS,
          "env_tasks.0.reward_fn=tasks.rewards.guess_number_verifier",
          "env_tasks.1.reward_fn=tasks.rewards.frozenlake_verifier"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -295,7 +299,7 @@ def test_unreachable_reward_endpoint_fails_before_the_cluster_starts(tmp_path):
 def test_task_mix_configs_run_with_per_task_metrics_and_evaluation(tmp_path, config):
     run = tmp_path / "run"
     _train(["--config", str(ROOT / "config" / config), *SHORT, "trainer.groups_per_step=4",
-            "eval.every_steps=2", "eval.episodes=2"], run)
+            "eval.every_steps=2", "eval.episodes=2", IN_PROCESS], run)
     summary = json.loads((run / "summary.json").read_text())
     _check_accounting(summary)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -342,7 +346,8 @@ def test_sigterm_stops_the_run_cleanly_with_every_trajectory_accounted(tmp_path)
     cancelled, environments closed, the summary written with the interrupted trajectories
     counted, exit code 130, no hang."""
     run_dir = tmp_path / "run"
-    proc, out, err = _signal_after_steps(run_dir, ["trainer.max_steps=500"], signal.SIGTERM, 1)
+    proc, out, err = _signal_after_steps(run_dir, ["trainer.max_steps=500", IN_PROCESS],
+                                         signal.SIGTERM, 1)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert "interrupted" in err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -376,7 +381,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_the_same_run(tmp_path):
 
     proc = subprocess.run([sys.executable, TRAIN, "--resume", str(run_dir),
                            f"trainer.max_steps={version + 2}", "trainer.checkpoint_every=1",
-                           "trainer.keep_checkpoints=1"],
+                           "trainer.keep_checkpoints=1", IN_PROCESS],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"resuming {run_dir} at policy version {version}" in proc.stdout
