@@ -45,7 +45,7 @@ def prometheus_value(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def session():
-    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0"])
+    s = Session.start(overrides=[*SMALL, "cluster.dashboard_port=0", "cluster.processes=false"])
     yield s
     s.close()
 
