@@ -86,7 +86,8 @@ def test_accounts_hold_at_every_event_of_a_run(tmp_path):
     # an env task may be called "eval": evaluation episodes are known by their own flag
     cfg = load_config(overrides=[*QUIET, "trainer.max_steps=3", "trainer.groups_per_step=2",
                                  "reward.backend=local", "eval.every_steps=2",
-                                 "eval.episodes=2", "env_tasks.0.name=eval"])
+                                 "eval.episodes=2", "env_tasks.0.name=eval",
+                                 "cluster.processes=false"])
     summary = run_training(cfg, tmp_path / "run", on_transition=watch,
                            dashboard=lambda line: None)
     evals = read_metrics(tmp_path / "run", "eval")
