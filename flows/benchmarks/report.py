@@ -42,7 +42,8 @@ def turn_overhead(stream: dict) -> dict[str, float]:
     """Per turn, the wall time from submission to the driver holding the result, split into
     the tasks' compute (emulated waits, then real work) and the rest: the driver's loop,
     scheduling, messages and transfers (the orchestration overhead). A cohort's members share
-    its tasks: each member's turn counts their whole compute time."""
+    its tasks: each member's turn counts their whole compute time, in every cohort it went
+    through (a member continued after its stage returned: "+"-joined suffixes)."""
     compute: dict[str, float] = defaultdict(float)
     for key, _worker, start, stop in stream["tasks"]:
         stage, _, suffix = key.partition("-")
@@ -54,7 +55,7 @@ def turn_overhead(stream: dict) -> dict[str, float]:
     for suffix, submitted, done, waited, _traj in stream["turns"]:
         wall += done - submitted
         emulated += waited
-        task += compute.get(suffix, 0.0)
+        task += sum(compute.get(leg, 0.0) for leg in suffix.split("+"))
     n = max(len(stream["turns"]), 1)
     wall = max(wall, 1e-12)
     return {"turns": len(stream["turns"]), "turn_wall_ms": 1e3 * wall / n,

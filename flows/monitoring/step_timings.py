@@ -51,7 +51,7 @@ class TurnTimings:
             self._legs.popitem(last=False)
 
     def turn(self, trajectory: str, turn: int, submitted: float, answered: float,
-             workers: tuple[str, str, str], suffix: str, obs: Any) -> None:
+             workers: tuple[str, str, str], suffix: str, obs: Any) -> TurnTiming:
         """A turn came back with ``obs`` (a :class:`tasks.records.EnvObservation`)."""
         s = obs.sample
         prefill, kv = s.prefill_wait_s, s.kv_transfer_s
@@ -62,6 +62,7 @@ class TurnTimings:
         self._turns.move_to_end(trajectory)
         while len(self._turns) > self.keep:
             self._turns.popitem(last=False)
+        return timing
 
     def of(self, trajectory: str) -> list[TurnTiming] | None:
         return self._turns.get(trajectory)

@@ -168,7 +168,8 @@ def stream_hops_and_scores(stream: dict) -> tuple[float, float | None]:
         if stage == "score":
             scores.append(stop - start)
     hops = [turn_hops(w["env_step"], w["prefill"], w["decode"])
-            for w in (workers.get(t[0], {}) for t in stream["turns"])
+            # a continued member's turn lists its cohorts' suffixes; it finished in the last
+            for w in (workers.get(t[0].rsplit("+", 1)[-1], {}) for t in stream["turns"])
             if {"env_step", "prefill", "decode"} <= set(w)]
     return (float(np.mean(hops)) if hops else 0.0,
             float(np.mean(scores)) if scores else None)

@@ -314,10 +314,10 @@ class RolloutDriver:
                 self._member_failed(rec, res.error, out, reason)
             else:
                 rec.env_reset = None
-                self.turns.record(rec, res, cohort, now)
-                self.timings.turn(trajectory_key(tid, rec.attempt), rec.turn, cohort.submitted,
-                                  now, (rec.env_worker, rec.prefill_worker, rec.decode_worker),
-                                  cohort.suffix, res)
+                timing = self.timings.turn(
+                    trajectory_key(tid, rec.attempt), rec.turn, cohort.submitted, now,
+                    (rec.env_worker, rec.prefill_worker, rec.decode_worker), cohort.suffix, res)
+                self.turns.record(rec, res, cohort, now, [leg for leg, _stage in timing.legs])
                 shape = rec.last_shape
                 self.lengths.record(rec.env_task.name, len(res.sample.token_ids) if shape is None
                                     else res.sample.virtual_tokens - shape.prompt_tokens,

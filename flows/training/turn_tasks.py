@@ -243,16 +243,20 @@ class TurnLog:
 
     def __init__(self, keep_each: bool, time_scale: float):
         self.keep_each, self.time_scale = keep_each, time_scale
-        # per turn: its tasks' key suffix, (submitted, answered) wall-clock times, the emulated
-        # waits within, and "trajectory-attempt": the benchmark subtracts the tasks' compute
-        # intervals to get the orchestration overhead
+        # per turn: its tasks' key suffixes ("+"-joined: a member continued after its cohort's
+        # stage returned went through several cohorts, the one it finished with last),
+        # (submitted, answered) wall-clock times, the emulated waits within, and
+        # "trajectory-attempt": the benchmark subtracts the tasks' compute intervals to get the
+        # orchestration overhead
         self.each: list[tuple[str, float, float, float, str]] = []
         self.work: list[TurnWork] = []  # per turn, in the order of ``each``
         self.totals = [0, 0.0, 0.0]  # turns, wall seconds, emulated-wait seconds
         self.env_seconds = 0.0  # environment step time, summed
 
-    def record(self, rec: RolloutRecord, obs, cohort: Cohort, now: float) -> None:
-        """``obs``: the member's :class:`tasks.records.EnvObservation` of this turn."""
+    def record(self, rec: RolloutRecord, obs, cohort: Cohort, now: float,
+               suffixes: list[str]) -> None:
+        """``obs``: the member's :class:`tasks.records.EnvObservation` of this turn;
+        ``suffixes``: the key suffixes of every cohort it went through in this turn."""
         self.env_seconds += obs.step_seconds
         remote = float(obs.info.get("remote_latency_s", 0.0)) * self.time_scale
         waited = obs.sample.emulated_wait_s + remote
@@ -260,6 +264,6 @@ class TurnLog:
         self.totals[1] += now - cohort.submitted
         self.totals[2] += waited
         if self.keep_each:
-            self.each.append((cohort.suffix, cohort.submitted, now, waited,
+            self.each.append(("+".join(suffixes), cohort.submitted, now, waited,
                               f"{rec.traj_id}-{rec.attempt}"))
             self.work.append(TurnWork.of(rec, obs))

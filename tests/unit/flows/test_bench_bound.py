@@ -7,6 +7,7 @@ import pytest
 
 from flows.benchmarks import bound
 from flows.benchmarks.bound import Hardware, Pool
+from flows.benchmarks.report import turn_overhead
 from flows.benchmarks.work import RunWork, TrainedBatches, TrajectoryWork, Turn, run_work
 from flows.config import load_config, with_overrides
 from flows.training.episode import RolloutRecord
@@ -233,7 +234,7 @@ def test_the_turn_log_keeps_each_turns_submitted_lengths_and_environment_latency
                             virtual_tokens=shape.prompt_tokens + shape.response_tokens)
         obs = EnvObservation(EnvHandle("w", "i"), "obs", [5], info={"remote_latency_s": latency},
                              sample=sample, consumed_ids=[4, 4, 4])
-        log.record(rec, obs, cohort, now=1.0 + turn)
+        log.record(rec, obs, cohort, now=1.0 + turn, suffixes=[cohort.suffix])
         rec.record_turn(obs)
     first, second = log.work
     assert (first.trajectory, first.turn, first.env_task) == ("7-1", 0, env_task.name)
@@ -243,5 +244,18 @@ def test_the_turn_log_keeps_each_turns_submitted_lengths_and_environment_latency
     assert (first.env_latency_s, second.env_latency_s) == (2.0, 3.5)
     assert len(log.each) == 2
     quiet = TurnLog(keep_each=False, time_scale=0.2)
-    quiet.record(rec, obs, cohort, now=3.0)
+    quiet.record(rec, obs, cohort, now=3.0, suffixes=[cohort.suffix])
     assert quiet.work == [] and quiet.totals[0] == 1
+
+
+def test_a_continued_members_turn_counts_the_tasks_of_every_cohort_it_went_through():
+    """Left running in cohort c1's decode and continued by c2: its turn's compute is c1's
+    chain and c2's, not c2's alone (which would book c1's compute as orchestration)."""
+    stream = {"tasks": [["prefill-c1-2-0", "a", 0.0, 1.0], ["decode-c1-2-0", "b", 1.0, 3.0],
+                        ["env_step-c1-2-0", "c", 3.0, 3.5], ["decode-c2-1-0", "b", 4.0, 6.0],
+                        ["env_step-c2-1-0", "c", 6.0, 7.0]],
+             "turns": [["c1-2-0", 0.0, 4.0, 0.0, "1-0"],
+                       ["c1-2-0+c2-1-0", 0.0, 8.0, 0.0, "2-0"]]}
+    over = turn_overhead(stream)
+    # compute: 3.5 s for the first member, 3.5 + 3.0 for the second; wall 4 + 8
+    assert over["orchestration_ms"] == pytest.approx(1e3 * ((4 - 3.5) + (8 - 6.5)) / 2)
