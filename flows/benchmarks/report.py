@@ -24,6 +24,7 @@ from flows.benchmarks.work import read_run_work
 from flows.config import TrainConfig, load_config
 from flows.config.derived import is_emulated
 from flows.monitoring.metrics import read_metrics
+from flows.monitoring.step_timings import legs_of
 
 # stages drawn in the timeline, in legend order, with their colours
 STAGE_COLOURS = {"env_reset": "#8c564b", "prefill": "#1f77b4", "decode": "#ff7f0e",
@@ -43,7 +44,7 @@ def turn_overhead(stream: dict) -> dict[str, float]:
     the tasks' compute (emulated waits, then real work) and the rest: the driver's loop,
     scheduling, messages and transfers (the orchestration overhead). A cohort's members share
     its tasks: each member's turn counts their whole compute time, in every cohort it went
-    through (a member continued after its stage returned: "+"-joined suffixes)."""
+    through (a member continued after its stage returned went through several)."""
     compute: dict[str, float] = defaultdict(float)
     for key, _worker, start, stop in stream["tasks"]:
         stage, _, suffix = key.partition("-")
@@ -55,7 +56,7 @@ def turn_overhead(stream: dict) -> dict[str, float]:
     for suffix, submitted, done, waited, _traj in stream["turns"]:
         wall += done - submitted
         emulated += waited
-        task += sum(compute.get(leg, 0.0) for leg in suffix.split("+"))
+        task += sum(compute.get(leg, 0.0) for leg in legs_of(suffix))
     n = max(len(stream["turns"]), 1)
     wall = max(wall, 1e-12)
     return {"turns": len(stream["turns"]), "turn_wall_ms": 1e3 * wall / n,

@@ -18,6 +18,18 @@ def trajectory_key(traj_id: Any, attempt: int) -> str:
     return f"{traj_id}-{attempt}"
 
 
+def joined_legs(suffixes: Iterable[str]) -> str:
+    """A turn's cohorts (their tasks' key suffixes, the one it finished with last) as one
+    string, the way the task stream records a turn (a member continued after its cohort's
+    stage returned went through several)."""
+    return "+".join(suffixes)
+
+
+def legs_of(joined: str) -> list[str]:
+    """The cohorts' key suffixes of a turn recorded by :func:`joined_legs`."""
+    return joined.split("+")
+
+
 @dataclass(frozen=True)
 class TurnTiming:
     """One finished turn of a trajectory, wall-clock seconds."""

@@ -41,6 +41,7 @@ from scipy.optimize import nnls
 from flows.config import TrainConfig, validated
 from flows.config.overrides import apply_overrides
 from flows.monitoring.metrics import read_metrics
+from flows.monitoring.step_timings import legs_of
 from flows.simulation.environments import max_turns_of
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,8 @@ def stream_hops_and_scores(stream: dict) -> tuple[float, float | None]:
         if stage == "score":
             scores.append(stop - start)
     hops = [turn_hops(w["env_step"], w["prefill"], w["decode"])
-            # a continued member's turn lists its cohorts' suffixes; it finished in the last
-            for w in (workers.get(t[0].rsplit("+", 1)[-1], {}) for t in stream["turns"])
+            # a continued member's turn lists its cohorts; it finished in the last
+            for w in (workers.get(legs_of(t[0])[-1], {}) for t in stream["turns"])
             if {"env_step", "prefill", "decode"} <= set(w)]
     return (float(np.mean(hops)) if hops else 0.0,
             float(np.mean(scores)) if scores else None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from distributed import Client, Future, wait
 
 from flows.monitoring.monitor import StageSpans
+from flows.monitoring.step_timings import joined_legs, trajectory_key
 from flows.training.episode import RolloutRecord
 from flows.training.orchestration import decode_seed
 from resources.pools import Stage, Tag, submit_on
@@ -233,8 +234,8 @@ class TurnWork:
         else:
             prompt, response = len(obs.consumed_ids), len(obs.sample.token_ids)
             cached = len(rec.tokens)
-        return cls(f"{rec.traj_id}-{rec.attempt}", rec.turn, rec.env_task.name, prompt, cached,
-                   response, float(obs.info.get("remote_latency_s", 0.0)))
+        return cls(trajectory_key(rec.traj_id, rec.attempt), rec.turn, rec.env_task.name, prompt,
+                   cached, response, float(obs.info.get("remote_latency_s", 0.0)))
 
 
 class TurnLog:
@@ -243,11 +244,9 @@ class TurnLog:
 
     def __init__(self, keep_each: bool, time_scale: float):
         self.keep_each, self.time_scale = keep_each, time_scale
-        # per turn: its tasks' key suffixes ("+"-joined: a member continued after its cohort's
-        # stage returned went through several cohorts, the one it finished with last),
-        # (submitted, answered) wall-clock times, the emulated waits within, and
-        # "trajectory-attempt": the benchmark subtracts the tasks' compute intervals to get the
-        # orchestration overhead
+        # per turn: its cohorts' key suffixes (step_timings.joined_legs), (submitted, answered)
+        # wall-clock times, the emulated waits within, and "trajectory-attempt": the benchmark
+        # subtracts the tasks' compute intervals to get the orchestration overhead
         self.each: list[tuple[str, float, float, float, str]] = []
         self.work: list[TurnWork] = []  # per turn, in the order of ``each``
         self.totals = [0, 0.0, 0.0]  # turns, wall seconds, emulated-wait seconds
@@ -264,6 +263,6 @@ class TurnLog:
         self.totals[1] += now - cohort.submitted
         self.totals[2] += waited
         if self.keep_each:
-            self.each.append(("+".join(suffixes), cohort.submitted, now, waited,
-                              f"{rec.traj_id}-{rec.attempt}"))
+            self.each.append((joined_legs(suffixes), cohort.submitted, now, waited,
+                              trajectory_key(rec.traj_id, rec.attempt)))
             self.work.append(TurnWork.of(rec, obs))
