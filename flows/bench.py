@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="long_tail",
                    help="a name in config/bench/ or a path to a workload YAML")
-    p.add_argument("--steps", type=int, default=8, help="train steps per system")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train steps per system (default: the workload's trainer.max_steps)")
     p.add_argument("--repeats", type=int, default=3, help="runs per system, interleaved")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--only", nargs="+", default=None, metavar="SYSTEM",
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(f.stem for f in WORKLOADS.glob('*.yaml'))} or a path", file=sys.stderr)
         return 2
     base = load_config(workload, args.overrides)
+    args.steps = args.steps or base.trainer.max_steps
     chosen = systems(base, tuple(args.sections))
     if args.only:
         unknown = set(args.only) - {s.name for s in chosen}

@@ -245,14 +245,15 @@ def test_scheduler_option_runs_on_dask_cli_processes(tmp_path):
 @pytest.mark.long  # a minute: run by .ci/run after the default suite
 def test_bench_compares_systems_on_emulated_devices(tmp_path):
     """The bench end to end with a tiny budget: two systems, their figures, table and
-    timelines (figures are measured, never asserted as performance)."""
+    timelines (figures are measured, never asserted as performance); without --steps, the
+    workload's trainer.max_steps (here overridden to 1)."""
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(ROOT / "flows" / "bench.py"), "--workload",
-                           "long_tail", "--steps", "1", "--repeats", "1", "--only",
+                           "long_tail", "--repeats", "1", "--only",
                            "sync-monolithic",
                            "spare groups 0",
                            "--out", str(out), "engine.time_scale=0.005",
-                           "trainer.groups_per_step=2"],
+                           "trainer.groups_per_step=2", "trainer.max_steps=1"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())

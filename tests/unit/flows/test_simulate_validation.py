@@ -193,3 +193,18 @@ def test_held_out_runs_are_predicted_within_bounds():
     table = validation.validation_table(records)
     assert s["step_error_max"] <= 0.30 and s["step_error_mean"] <= 0.15, table
     assert s["ratio_error_max"] <= 0.40 and s["ratio_error_mean"] <= 0.25, table
+
+
+def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_bounds():
+    """Calibrated on uniform (seed 0, 6 steps, time_scale 0.05), the simulator predicts the
+    stored paper_mix bench (16 steps, 3 repeats, time_scale 0.2; its systems are RollArc's
+    pools against H20-only and H800-only inference and async-monolithic), the median over the
+    repeats. When stored: step times within 20%, ratios to rollarc within 10%; the bounds add
+    a margin."""
+    cal = fit(read_bench(DATA / "uniform-s0.json"))
+    records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
+    assert {r["system"] for r in records} == {"rollarc", "async-monolithic", "H20-only",
+                                               "H800-only"}
+    s = validation.summary(records)
+    table = validation.validation_table(records)
+    assert s["step_error_max"] <= 0.25 and s["ratio_error_max"] <= 0.15, table
