@@ -41,13 +41,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from resources.lambda_http import make_server
 from resources.lambda_management import FunctionCatalog
-from resources.lambda_sandbox import Sandbox
+from resources.lambda_sandbox import FunctionSpec, Sandbox
 from resources.net import warn_if_exposed
 
 logger = logging.getLogger(__name__)
@@ -55,25 +54,6 @@ logger = logging.getLogger(__name__)
 SYNC_PAYLOAD_LIMIT = 6 * 1024 * 1024
 ASYNC_PAYLOAD_LIMIT = 1024 * 1024
 MB_PER_VCPU = 1769  # Lambda allocates one vCPU per 1,769 MB of memory
-
-
-@dataclass
-class FunctionSpec:
-    """One Lambda function: its name, handler path, timeout, memory and environment."""
-
-    name: str
-    handler: str
-    timeout_s: float = 60.0
-    memory_mb: int = 1024
-    environment: dict[str, str] = field(default_factory=dict)
-    # what the management API describes (resources.lambda_management)
-    runtime: str | None = "python3.12"
-    package_type: str = "Zip"
-    description: str = ""
-    architectures: tuple[str, ...] = ("x86_64",)
-    tracing: str = "PassThrough"
-    logical_id: str = ""
-    image_uri: str | None = None
 
 
 # -- the service: functions, their concurrency slots and warm sandboxes ------------------------

@@ -19,17 +19,41 @@ import sys
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from resources.lambda_management import Reply, function_name, invoked_function
+from resources.lambda_management import (
+    FunctionCatalog,
+    Reply,
+    function_name,
+    invoked_function,
+)
 from resources.lambda_management import unknown as unknown_route
-
-if TYPE_CHECKING:
-    from resources.lambda_emulator import LambdaEmulator
 
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_BYTES = 4096
+
+
+class LambdaService(Protocol):
+    """What the HTTP front asks of the service behind it
+    (:class:`resources.lambda_emulator.LambdaEmulator`): its functions, each with a
+    ``slots`` semaphore of its concurrency, and how to run one."""
+
+    catalog: FunctionCatalog
+    functions: dict[str, Any]
+    faults: dict
+    sync_payload_limit: int
+    async_payload_limit: int
+
+    def count(self, key: str, n: int = 1) -> None: ...
+
+    def arn(self, name: str) -> str: ...
+
+    def draw_fault(self) -> str | None: ...
+
+    def run(self, fn: Any, payload: bytes, request_id: str) -> tuple[bytes, str | None, str]: ...
+
+    def run_event(self, fn: Any, payload: bytes, request_id: str) -> None: ...
 
 
 class _Server(ThreadingHTTPServer):
@@ -45,7 +69,7 @@ class _Server(ThreadingHTTPServer):
         logger.exception("request from %s failed", client_address)
 
 
-def make_server(emulator: LambdaEmulator, host: str, port: int) -> ThreadingHTTPServer:
+def make_server(emulator: LambdaService, host: str, port: int) -> ThreadingHTTPServer:
     """A threading HTTP server on ``(host, port)`` that serves ``emulator``'s functions."""
 
     class Handler(InvokeHandler):
@@ -59,7 +83,7 @@ class InvokeHandler(BaseHTTPRequestHandler):
     """One request to the emulation; :func:`make_server` binds ``emulator`` on a subclass."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: boto3 reuses its pooled connections
-    emulator: LambdaEmulator
+    emulator: LambdaService
 
     def log_message(self, format, *args):  # route the server's access log to logging
         logger.debug("%s " + format, self.address_string(), *args)

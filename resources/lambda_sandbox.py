@@ -22,11 +22,26 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
-if TYPE_CHECKING:
-    from resources.lambda_emulator import FunctionSpec
+
+@dataclass
+class FunctionSpec:
+    """One Lambda function: its name, handler path, timeout, memory and environment."""
+
+    name: str
+    handler: str
+    timeout_s: float = 60.0
+    memory_mb: int = 1024
+    environment: dict[str, str] = field(default_factory=dict)
+    # what the management API describes (resources.lambda_management)
+    runtime: str | None = "python3.12"
+    package_type: str = "Zip"
+    description: str = ""
+    architectures: tuple[str, ...] = ("x86_64",)
+    tracing: str = "PassThrough"
+    logical_id: str = ""
+    image_uri: str | None = None
 
 
 def write_frame(f, data: bytes) -> None:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from flows.config.derived import emulation, reward_name
 from flows.config.fields import ConfigError
 from flows.config.overrides import apply_overrides
+from flows.config.rules import check_rules
 from flows.config.schema import TrainConfig
 from resources.catalog import CATALOG
 from tasks.components import COMPONENT, check_component, check_signature, describe, resolve
@@ -71,6 +72,10 @@ def validated(data: dict) -> TrainConfig:
         got = (f" (got {err['input']!r})"
                if isinstance(err.get("input"), str | int | float | bool | None) else "")
         raise ConfigError(f"{loc}: {msg}{got}") from None
+    try:
+        check_rules(cfg)  # the cross-field checks: each message names the keys itself
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     check_components(cfg)
     return cfg
 

@@ -1,17 +1,17 @@
 """The training flow's configuration, :class:`TrainConfig`: one typed model of every section.
 
-YAML holds values, this holds shape. Validating a config checks each field, then every rule
-of :mod:`flows.config.rules` across sections; neither imports torch or transformers.
+YAML holds values, this holds shape: each field is checked here; the rules across sections
+(:mod:`flows.config.rules`) run after it in :func:`flows.config.loading.validated`. Neither
+imports torch or transformers.
 """
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from flows.config.choices import Mode, Placement
 from flows.config.cluster import AffinityConfig, ClusterConfig
 from flows.config.fields import Section
-from flows.config.rules import check_rules
 from flows.config.sections import (
     EngineConfig,
     EnvTaskConfig,
@@ -43,8 +43,3 @@ class TrainConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
-
-    @model_validator(mode="after")
-    def _rules(self) -> TrainConfig:
-        check_rules(self)
-        return self
