@@ -189,7 +189,7 @@ class Simulation:
                 self._restart_or_drop(t)
             elif t.turn >= t.turns or self.core.stopping:
                 if t.turn >= t.turns:  # it ended (the driver's length estimates count it)
-                    self.turn_runner.lengths.finished(t.env_task.name, t.turn)
+                    self.turn_runner.placer.lengths.finished(t.env_task.name, t.turn)
                 self._finished(t)
             else:
                 self.ready.append(t)

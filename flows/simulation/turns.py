@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flows.config import TrainConfig
-from flows.config.choices import TurnPlacement
 from flows.simulation import environments
 from flows.simulation.calibration import turn_hops
 from flows.simulation.cluster import ControlPlane, SimCluster
@@ -113,13 +112,8 @@ class TurnRunner:
                  on_turn: Callable[[list[SimTrajectory]], None]):
         self.cfg, self.sim, self.clock = cfg, sim, clock
         self.cluster, self.control, self.on_turn = cluster, control, on_turn
-        # the driver's running length estimates, and with rollout.turn_placement=env_task its
-        # per-env-task placement over them (as RolloutDriver builds them)
-        self.lengths = turn_placement.LengthEstimates.from_env_tasks(cfg.env_tasks)
-        self.affinity = (turn_placement.EnvTaskAffinity(cluster.turn_devices, self.lengths,
-                                                        cfg.engine.device.max_seqs)
-                         if cluster.turn_devices is not None
-                         and cfg.rollout.turn_placement is TurnPlacement.ENV_TASK else None)
+        # the rollout driver's turn placement, over the simulated workers' device models
+        self.placer = turn_placement.TurnPlacer(cfg, cluster.turn_devices)
         self.env_latency = environments.env_latencies(cfg)
         self.generated = 0  # response tokens decoded
         self.in_flight = 0  # trajectories with a turn submitted and not yet answered
@@ -156,10 +150,8 @@ class TurnRunner:
             else:
                 if fresh:
                     t.env_worker = pool_workers.choose(Tag.CPU_ENV)
-                plan = turn_placement.place_turn(
-                    pool_workers, self.cluster.turn_devices, t.decode_worker, t.kv_at, t.prompt,
-                    t.context, self.lengths.expected(t.env_task.name), affinity=self.affinity,
-                    env_task=t.env_task.name)
+                plan = self.placer.place(pool_workers, t.env_task.name, t.decode_worker,
+                                         t.kv_at, t.prompt, t.context)
                 placed[t.group_id] = (t.env_worker, plan)
             for w in {plan.decode_worker, plan.prefill_worker, t.env_worker}:
                 pool_workers.started(w)
@@ -267,7 +259,7 @@ class TurnRunner:
             for w in {cohort.plan.decode_worker, cohort.plan.prefill_worker, m.env_worker}:
                 self.cluster.pool_workers.finished(w)
             if not m.failed:  # the driver records the lengths of the turns that came back
-                self.lengths.record(m.env_task.name, m.response, m.prompt, first=m.turn == 0)
+                self.placer.lengths.record(m.env_task.name, m.response, m.prompt, first=m.turn == 0)
         self.on_turn(ended)
 
     # -- a member's work in each stage -----------------------------------------------------------

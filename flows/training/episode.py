@@ -15,11 +15,41 @@ if TYPE_CHECKING:
     from flows.config import EnvTaskConfig, TrainConfig
 
 
-def sampling_params(cfg: TrainConfig) -> dict[str, SamplingParams]:
-    """Per env task: its sampling settings (the task's own, else rollout.sampling)."""
+def sampling_params(cfg: TrainConfig, greedy: bool = False) -> dict[str, SamplingParams]:
+    """Per env task: its sampling settings (the task's own, else rollout.sampling); with
+    ``greedy``, greedy whatever they say (evaluation)."""
     return {t.name: SamplingParams(temperature=sc.temperature, max_new_tokens=sc.max_new_tokens,
-                                   greedy=sc.greedy)
+                                   greedy=greedy or sc.greedy)
             for t in cfg.env_tasks for sc in [t.sampling or cfg.rollout.sampling]}
+
+
+# evaluation episodes' trajectory ids start here (training ids count up from 0)
+EVAL_ID_OFFSET = 10**9
+
+
+@dataclass
+class TrajectoryIds:
+    """A rollout driver's trajectory ids, kept in checkpoints. Evaluation episodes take ids of
+    their own, counting on from :data:`EVAL_ID_OFFSET`, so that they never shift the training
+    trajectories' ids and with them their sampling seeds."""
+
+    next_training: int = 0
+    next_evaluation: int = EVAL_ID_OFFSET
+
+    def take(self, evaluation: bool = False) -> int:
+        if evaluation:
+            self.next_evaluation += 1
+            return self.next_evaluation - 1
+        self.next_training += 1
+        return self.next_training - 1
+
+    def state(self) -> dict:
+        return {"next_trajectory": self.next_training,
+                "next_eval_trajectory": self.next_evaluation}
+
+    def restore(self, state: dict) -> None:
+        self.next_training = int(state["next_trajectory"])
+        self.next_evaluation = int(state["next_eval_trajectory"])
 
 
 @dataclass

@@ -110,7 +110,7 @@ def summary(run: TrainingRun) -> RunSummary:
     for d in drivers:
         submitted.update(d.tasks.submitted)
         truncated.update(d.truncated)
-        restarts.update(d.restarts)
+        restarts.update(d.faults.restarts)
     t0 = run.clock.t0 or 0.0
     stream = client.run_on_scheduler(task_stream_snapshot) if cfg.metrics.task_stream else None
     if cfg.metrics.task_stream:
@@ -155,8 +155,8 @@ def summary(run: TrainingRun) -> RunSummary:
         "workers": {a: dict(r, pool=pool_of.get(a, a)) for a, r in reports.items()},
         "train_windows_s": [(a - t0, b - t0) for a, b in run.steps.windows],
         # rollout.turn_placement=env_task: each env task's home pool and its prices
-        "env_task_affinity": (run.driver.affinity.mapping()
-                              if run.driver.affinity is not None else None),
+        "env_task_affinity": (run.driver.placer.affinity.mapping()
+                              if run.driver.placer.affinity is not None else None),
         "critical_path": {"time_scale": cfg.engine.time_scale if is_emulated(cfg.engine)
                           else 1.0, "steps": critical_path_steps(run, stream)},
         "elapsed_s": run.elapsed_s,

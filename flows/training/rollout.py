@@ -24,26 +24,19 @@ worker lost, a turn overdue, a member failed: restart or drop) is decided by
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from distributed import Client, Future
 
 from flows.config import EnvTaskConfig, TrainConfig
-from flows.config.choices import TurnPlacement
 from flows.config.derived import with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.monitoring.step_timings import TurnTimings, trajectory_key
-from flows.training.episode import RolloutRecord, sampling_params, turn_ends
+from flows.training.episode import RolloutRecord, TrajectoryIds, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, TrajectoryLedger, TrajState
 from flows.training.orchestration import PoolWorkers
 from flows.training.rollout_faults import RolloutFaults, strands_resume, strands_waiting
-from flows.training.turn_placement import (
-    EnvTaskAffinity,
-    LengthEstimates,
-    TurnPlan,
-    place_turn,
-)
+from flows.training.turn_placement import TurnPlacer, TurnPlan
 from flows.training.turn_tasks import Cohort, CohortKey, Resume, TurnLog, TurnTasks
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
@@ -59,10 +52,6 @@ class TurnOutcome:
 
     finished: list[tuple[RolloutRecord, Trajectory]] = field(default_factory=list)
     dropped: list[RolloutRecord] = field(default_factory=list)  # reasons are in the ledger
-
-
-# evaluation episodes' trajectory ids start here (training ids count up from 0)
-EVAL_ID_OFFSET = 10**9
 
 
 class RolloutDriver:
@@ -81,13 +70,8 @@ class RolloutDriver:
         self.cfg, self.pool_workers, self.ledger = cfg, pool_workers, ledger
         # ends every key: runs sharing a cluster never share a key (nor an old key's result)
         self.key_tag = key_tag
-        # rollout.turn_placement=length_aware: each inference worker's device model (None: split)
-        self.devices = devices
-        self.lengths = LengthEstimates.from_env_tasks(cfg.env_tasks)
-        # rollout.turn_placement=env_task: each env task's trajectories on their best-fit home
-        self.affinity = (EnvTaskAffinity(devices, self.lengths, cfg.engine.device.max_seqs)
-                         if devices is not None
-                         and cfg.rollout.turn_placement is TurnPlacement.ENV_TASK else None)
+        # devices: each inference worker's device model (None: rollout.turn_placement=split)
+        self.placer = TurnPlacer(cfg, devices)
         self.run_id = run_id
         self.spans = spans or StageSpans(run_id)  # Fine Performance Metrics by env task, stage
         self.sampling = sampling_params(cfg)
@@ -96,8 +80,7 @@ class RolloutDriver:
         self.env_specs = env_specs if env_specs is not None else {
             t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
         # evaluation decodes greedily: the policy's best answer, not a sample
-        self.eval_sampling = {name: SamplingParams(sp.temperature, sp.max_new_tokens, greedy=True)
-                              for name, sp in self.sampling.items()}
+        self.eval_sampling = sampling_params(cfg, greedy=True)
         self.live: dict[int, RolloutRecord] = {}
         self._ready: list[RolloutRecord] = []  # next turn to submit (rec.next_obs; None: reset)
         self._cohorts: dict[str, Cohort] = {}  # by the key of its env_step
@@ -109,24 +92,12 @@ class RolloutDriver:
         self._resumes: dict[tuple[Phase, str], list[tuple[RolloutRecord, int]]] = {}
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.faults = RolloutFaults(cfg)
-        self._next_id = 0
-        # evaluation episodes take ids of their own, so that they never shift the training
-        # trajectories' ids and with them their sampling seeds
-        self._next_eval_id = EVAL_ID_OFFSET
-        self._stopping = False
+        self.ids = TrajectoryIds()
+        self.stopping = False  # training is over (stop): no turn of training goes on
         self.turns = TurnLog(cfg.metrics.task_stream, cfg.engine.time_scale)
         self.timings = TurnTimings()  # each trajectory's turns, for its step's critical path
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    @property
-    def restarts(self) -> Counter[str]:
-        """Trajectories restarted, by the reason."""
-        return self.faults.restarts
 
     @property
     def waiting(self) -> int:
@@ -136,18 +107,17 @@ class RolloutDriver:
 
     def state(self) -> dict:
         """The trajectory ids to continue from (a checkpoint's driver state)."""
-        return {"next_trajectory": self._next_id, "next_eval_trajectory": self._next_eval_id}
+        return self.ids.state()
 
     def restore(self, state: dict) -> None:
-        self._next_id = int(state["next_trajectory"])
-        self._next_eval_id = int(state["next_eval_trajectory"])
+        self.ids.restore(state)
 
     def stop(self, reason: DropReason = DropReason.RUN_ENDED) -> None:
         """Training is over: every rolling-out training trajectory ends after its current turn
         (evaluation episodes run to their end); those waiting for their next turn (a restart
         waiting for a pool's worker included) end now with ``reason``, their environments
         closed."""
-        self._stopping = True
+        self.stopping = True
         for waiting in (self._ready, self._held):
             ended = [rec for rec in waiting if not rec.evaluation]
             waiting[:] = [rec for rec in waiting if rec.evaluation]
@@ -163,20 +133,12 @@ class RolloutDriver:
             raise KeyError(f"no env task {env_task!r}; env tasks: {sorted(self.env_specs)}")
         self.env_specs[env_task] = env_spec
 
-    def take_id(self, evaluation: bool = False) -> int:
-        """The next trajectory id (evaluation episodes count on from ``EVAL_ID_OFFSET``)."""
-        if not evaluation:
-            tid, self._next_id = self._next_id, self._next_id + 1
-        else:
-            tid, self._next_eval_id = self._next_eval_id, self._next_eval_id + 1
-        return tid
-
     def start(self, group_id: str, env_task: EnvTaskConfig, seed: int,
               eval_round: int | None = None, traj_id: int | None = None) -> None:
         """Admit a new trajectory; its first turn goes with the next :meth:`flush`.
-        ``traj_id``: one taken from another driver's :meth:`take_id` (the rollout shards
-        number their trajectories from shard 0's driver, so that ids never repeat)."""
-        tid = self.take_id(eval_round is not None) if traj_id is None else traj_id
+        ``traj_id``: one taken from another driver's ``ids`` (the rollout shards number their
+        trajectories from shard 0's driver, so that ids never repeat)."""
+        tid = self.ids.take(eval_round is not None) if traj_id is None else traj_id
         rec = RolloutRecord(tid, group_id, env_task, seed, eval_round=eval_round)
         self.ledger.admit(rec.traj_id, rec.evaluation)
         self.live[rec.traj_id] = rec
@@ -209,7 +171,7 @@ class RolloutDriver:
             shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
                                rec.attempt)
             rec.last_shape = shape
-            plan = self._plan(rec, rec.next_obs, shape)
+            plan = self._plan(rec, shape)
             rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
             for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
                 self.pool_workers.started(w)
@@ -222,10 +184,8 @@ class RolloutDriver:
         for key, members in groups.items():
             for i in range(0, len(members), size):
                 recs = [rec for rec, _ in members[i:i + size]]
-                params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
-                          for r in recs]
                 cohort = self.tasks.cohort(key, recs, [s for _, s in members[i:i + size]],
-                                           params)
+                                           self._params(recs))
                 self._cohorts[cohort.step.key] = cohort
                 futures.append(cohort.step)
         return futures
@@ -236,28 +196,27 @@ class RolloutDriver:
         futures = []
         for (phase, handle), members in resumes.items():
             recs = [rec for rec, _ in members]
-            params = [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
-                      for r in recs]
             cohort = self.tasks.cohort(recs[0].turn_key, recs, [r.last_shape for r in recs],
-                                       params, Resume(phase, handle, [i for _, i in members]))
+                                       self._params(recs),
+                                       Resume(phase, handle, [i for _, i in members]))
             self._cohorts[cohort.step.key] = cohort
             futures.append(cohort.step)
         return futures
 
-    def _plan(self, rec: RolloutRecord, observation: EnvObservation | None,
-              shape: TurnShape | None) -> TurnPlan:
-        """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`)."""
-        if shape is not None:
-            prompt = shape.prompt_tokens
-        elif isinstance(observation, EnvObservation):
-            prompt = len(observation.input_ids)
-        else:
-            prompt = 0  # the reset's prompt is not known here; the first turn splits
+    def _params(self, recs: list[RolloutRecord]) -> list[SamplingParams]:
+        """Each member's sampling: its env task's, greedy for an evaluation episode."""
+        return [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
+                for r in recs]
+
+    def _plan(self, rec: RolloutRecord, shape: TurnShape | None) -> TurnPlan:
+        """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`); a
+        reset's prompt is not known here, so the first turn splits."""
+        prompt = (shape.prompt_tokens if shape is not None else len(rec.next_obs.input_ids)
+                  if isinstance(rec.next_obs, EnvObservation) else None)
         context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
-        return place_turn(self.pool_workers, self.devices, rec.decode_worker,
-                          rec.decode_worker if rec.last_decode is not None else None, prompt,
-                          context, self.lengths.expected(rec.env_task.name) if prompt else None,
-                          affinity=self.affinity, env_task=rec.env_task.name)
+        return self.placer.place(self.pool_workers, rec.env_task.name, rec.decode_worker,
+                                 rec.decode_worker if rec.last_decode is not None else None,
+                                 prompt, context)
 
     def _release(self, rec: RolloutRecord) -> None:
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
@@ -318,11 +277,7 @@ class RolloutDriver:
                     trajectory_key(tid, rec.attempt), rec.turn, cohort.submitted, now,
                     (rec.env_worker, rec.prefill_worker, rec.decode_worker), cohort.suffix, res)
                 self.turns.record(rec, res, cohort, now, [leg for leg, _stage in timing.legs])
-                shape = rec.last_shape
-                self.lengths.record(rec.env_task.name, len(res.sample.token_ids) if shape is None
-                                    else res.sample.virtual_tokens - shape.prompt_tokens,
-                                    len(res.consumed_ids) if shape is None
-                                    else shape.prompt_tokens, first=rec.turn == 0)
+                self.placer.turn_done(rec.env_task.name, res, rec.last_shape, rec.turn == 0)
                 self._member_stepped(rec, res, out)
         self._release_barrier()
         return out
@@ -333,7 +288,7 @@ class RolloutDriver:
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
                                           .max_new_tokens, self.cfg.policy.max_context)
         if over:
-            self.lengths.finished(rec.env_task.name, rec.turn)
+            self.placer.lengths.finished(rec.env_task.name, rec.turn)
             if context_limited and not obs.done:
                 self.close_env(rec)
             if context_limited:
@@ -344,7 +299,7 @@ class RolloutDriver:
             self.ledger.transition(rec.traj_id, TrajState.EVALUATED if rec.evaluation
                                    else TrajState.AWAITING_SCORE)
             out.finished.append((rec, rec.to_trajectory(obs, context_limited)))
-        elif self._stopping and not rec.evaluation:  # run over: this turn was the last
+        elif self.stopping and not rec.evaluation:  # run over: this turn was the last
             self.close_env(rec)
             self._drop(rec, DropReason.RUN_ENDED)
             out.dropped.append(rec)
@@ -368,7 +323,7 @@ class RolloutDriver:
         fresh environment while attempts remain, else drop it with ``reason`` (the faults
         decide, :meth:`flows.training.rollout_faults.RolloutFaults.failed`)."""
         self.close_env(rec)
-        if self.faults.failed(rec, error, reason, self._stopping):
+        if self.faults.failed(rec, error, reason, self.stopping):
             rec.attempt += 1
             rec.reset_record()
             self._restart(rec)
@@ -398,10 +353,3 @@ class RolloutDriver:
         for rec in list(self.live.values()):
             self.close_env(rec)
             rec.handle = None
-
-    def prune_closing(self) -> None:
-        """Forget closes that ran; those aimed at a lost worker must not stall the run."""
-        self.tasks.prune_closing()
-
-    def wait_closing(self, timeout: float = 60) -> None:
-        self.tasks.wait_closing(timeout)

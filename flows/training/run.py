@@ -200,13 +200,13 @@ class TrainingRun:
                 self.handle(ev)
             self.changes.poll()
             for driver in self.drivers:
-                driver.prune_closing()
+                driver.tasks.prune_closing()
             self._send_live()
             if self.core.end_overdue(time.perf_counter()):
                 self._end_detail = stopping.cut_the_end(self)
                 break
         for driver in self.drivers:
-            driver.wait_closing()
+            driver.tasks.wait_closing()
         self.core.end(self._end_detail)
         self._send_live(force=True)
         return True

@@ -195,7 +195,7 @@ class RolloutShards:
         driver = self.driver(k)
         for _ in range(env_task.group_size):
             driver.start(group_id, env_task, seed,
-                         traj_id=None if k == 0 else self.primary.take_id())
+                         traj_id=None if k == 0 else self.primary.ids.take())
         return k
 
     def flush(self) -> None:

@@ -53,7 +53,7 @@ def abort(run: TrainingRun, reason: DropReason) -> None:
     for driver in run.drivers:
         driver.close_all()
     for driver in run.drivers:
-        driver.wait_closing(timeout=30)
+        driver.tasks.wait_closing(timeout=30)
     for evaluation in (False, True):
         for tid in run.ledger.live(evaluation):
             run.ledger.drop(tid, reason)

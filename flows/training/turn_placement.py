@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flows.config.choices import TurnPlacement
 from resources.affinity import (
     AffinityDecision,
     Home,
@@ -49,8 +50,9 @@ from resources.device_model import DeviceModel
 from resources.pools import Tag
 
 if TYPE_CHECKING:
-    from flows.config import EnvTaskConfig
+    from flows.config import EnvTaskConfig, TrainConfig
     from flows.training.orchestration import PoolWorkers
+    from tasks.records import EnvObservation, TurnShape
 
 logger = logging.getLogger(__name__)
 
@@ -387,3 +389,35 @@ def place_turn(workers, devices: dict[str, DeviceModel] | None, decode_worker: s
     return plan_turn(devices, workers.load, workers.workers_by_tag[str(Tag.GPU_COMPUTE)],
                      workers.workers_by_tag[str(Tag.GPU_BANDWIDTH)], kv_at, decode_worker,
                      prompt, context, expected)
+
+
+class TurnPlacer:
+    """Where a run's turns go, as the rollout driver and the simulator both decide it: each
+    env task's running length estimates, each inference worker's device model (None:
+    ``split``) and, with ``rollout.turn_placement=env_task``, each env task's home."""
+
+    def __init__(self, cfg: TrainConfig, devices: dict[str, DeviceModel] | None):
+        self.devices = devices
+        self.lengths = LengthEstimates.from_env_tasks(cfg.env_tasks)
+        self.affinity = (EnvTaskAffinity(devices, self.lengths, cfg.engine.device.max_seqs)
+                         if devices is not None
+                         and cfg.rollout.turn_placement is TurnPlacement.ENV_TASK else None)
+
+    def place(self, workers: PoolWorkers, env_task: str, decode_worker: str | None,
+              kv_at: str | None, prompt: int | None, context: int) -> TurnPlan:
+        """:func:`place_turn` of a turn of ``env_task`` (``prompt`` None: not known, the
+        turn splits)."""
+        return place_turn(workers, self.devices, decode_worker, kv_at, prompt or 0, context,
+                          self.lengths.expected(env_task) if prompt else None,
+                          affinity=self.affinity, env_task=env_task)
+
+    def turn_done(self, env_task: str, obs: EnvObservation, shape: TurnShape | None,
+                  first: bool) -> None:
+        """A turn of ``env_task`` came back with ``obs``: its response and prompt lengths
+        (``shape``'s virtual ones on emulated devices) go into the estimates."""
+        if shape is None:
+            self.lengths.record(env_task, len(obs.sample.token_ids), len(obs.consumed_ids),
+                                first=first)
+        else:
+            self.lengths.record(env_task, obs.sample.virtual_tokens - shape.prompt_tokens,
+                                shape.prompt_tokens, first=first)
