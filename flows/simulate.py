@@ -19,13 +19,17 @@ the simulator: :mod:`~flows.simulation.systems` (rollarc and its baselines),
     python flows/simulate.py --config config/scale/rollarc_3k.yaml --sensitivity floor_scale 0 1 4
     python flows/simulate.py --calibrate runs/bench/uniform-s0 --validate runs/bench/long_tail-s0
     python flows/simulate.py --calibration runs/simulate/calibration.json --validate DIR ...
+    python flows/simulate.py --config config/bench/paper_mix.yaml \
+        --calibration tests/data/simulator/calibration-uniform-s0.json   # with what a bench saw
     python -m flows.benchmarks.scheduler && python flows/simulate.py --config config/bench/long_tail.yaml \
         --capacity runs/bench_scheduler/capacity.json --load 256 1024 4096   # scheduler load
 
 The simulator is validated out of sample: ``--calibrate`` fits what it cannot know on one bench
 invocation (one workload and seed: turns per env task, the host's orchestration per turn and per
 train step; :mod:`~flows.simulation.calibration`), ``--validate`` predicts other invocations' step
-times and ratios between systems from their configs alone and reports both errors.
+times and ratios between systems from their configs alone and reports both errors. With
+``--config``, ``--calibration`` alone simulates that config with the calibration's turns and
+host times (the command line's own overrides win over them).
 
 Where it departs from the Dask flow, on purpose: environments and the policy do not run, so the
 number of turns of a trajectory is drawn (``simulate.turns``) and rewards are random (they only
@@ -88,7 +92,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="fit the calibration on one bench invocation (a bench or run "
                    "directory, or a digest JSON) and save it")
     p.add_argument("--calibration", default=None, metavar="JSON",
-                   help="a saved calibration (calibration.json of --calibrate)")
+                   help="a saved calibration (calibration.json of --calibrate): with "
+                   "--validate, predict those benches; with --config alone, simulate it")
     p.add_argument("--validate", nargs="+", default=None, metavar="BENCH",
                    help="predict these bench invocations' step times and ratios from their "
                    "configs and the calibration, and report the errors")
@@ -106,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or "runs/simulate")
     out.mkdir(parents=True, exist_ok=True)
     try:
-        if args.calibrate or args.calibration or args.validate:
+        if args.calibrate or args.validate or (args.calibration and not args.config):
             return calibrate_and_validate(p, args, out, console)
         if not args.config:
             p.error("--config is required (or --calibrate / --validate)")
         overrides = list(args.overrides)
         if args.hours:
             overrides.append(f"simulate.hours={args.hours}")
+        if args.calibration:  # what a bench measured, under the command line's own overrides
+            cfg, _ = load(args.config, overrides)
+            overrides = read_calibration(p, args.calibration).overrides(cfg) + overrides
         cfg, sim = load(args.config, overrides)
         capacity = {}
         if args.capacity:
@@ -174,6 +182,13 @@ def _name(path: str) -> str:
     return Path(path).stem.removeprefix("digest-")
 
 
+def read_calibration(p: argparse.ArgumentParser, path: str) -> Calibration:
+    try:
+        return Calibration.model_validate_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        p.error(f"--calibration {path}: {str(exc).splitlines()[0]}")
+
+
 def calibrate_and_validate(p: argparse.ArgumentParser, args: argparse.Namespace, out: Path,
                            console: Console) -> int:
     """--calibrate and/or --validate: the calibration fitted (or loaded) and saved, each
@@ -187,11 +202,14 @@ def calibrate_and_validate(p: argparse.ArgumentParser, args: argparse.Namespace,
         console.print(f"calibration ({cal.source}) -> {out}/calibration.json\n"
                       + json.dumps(cal.model_dump(exclude={"points"}), indent=1))
     elif args.calibration:
-        cal = Calibration.model_validate_json(Path(args.calibration).read_text())
+        cal = read_calibration(p, args.calibration)
     else:
         p.error("--validate needs --calibrate or --calibration: a prediction is only a "
                 "validation on runs it was not calibrated on")
     if not args.validate:
+        if args.calibration:
+            p.error("--calibration needs --validate (benches to predict) or --config (a "
+                    "config to simulate)")
         return 0
     records = []
     for d in args.validate:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from distributed import performance_report
 
@@ -36,9 +36,22 @@ from tasks.records import Trajectory
 from tasks.stages import Stages
 
 if TYPE_CHECKING:
-    from flows.training.session import Session
+    from distributed import Client
+
+    from resources.cluster import ClusterHandle
 
 logger = logging.getLogger(__name__)
+
+
+class OnCluster(Protocol):
+    """What a run asks of its session (:class:`flows.training.session.Session`): the cluster
+    it trains on, its client, and the clusters of the further rollout shards."""
+
+    cluster: ClusterHandle
+    shards: list[ClusterHandle]
+
+    @property
+    def client(self) -> Client: ...
 
 
 class RunStatus(StrEnum):
@@ -58,7 +71,7 @@ ENDED = (RunStatus.FINISHED, RunStatus.CLOSED, RunStatus.INTERRUPTED, RunStatus.
 class Run:
     """One training run on a session's cluster, trained in as many calls as wanted."""
 
-    def __init__(self, session: Session, cfg: TrainConfig, run_dir: Path, *,
+    def __init__(self, session: OnCluster, cfg: TrainConfig, run_dir: Path, *,
                  stages: Stages | None = None, progress: bool = False,
                  on_transition: Callable[[Transition, TrajectoryLedger], None] | None = None,
                  reward_service: LambdaEmulator | None = None):

@@ -150,6 +150,27 @@ def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
         settings.load(LONG_TAIL, ["simulate.turns.chess={mean: 3}"])
 
 
+def test_a_calibration_alone_simulates_a_config_with_what_a_bench_measured(tmp_path):
+    """--config with --calibration: the calibration's host time per turn and per train step
+    lengthen the steps of the devices alone; without a config or benches it names what it
+    needs."""
+    steps = {}
+    for name, extra in (("plain", []),
+                        ("calibrated", ["--calibration", str(DATA / "calibration-uniform-s0.json")])):
+        r = subprocess.run([sys.executable, "flows/simulate.py", "--config", str(LONG_TAIL),
+                            "--systems", "rollarc", "--out", str(tmp_path / name), *extra,
+                            "trainer.max_steps=3"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        steps[name] = json.loads((tmp_path / name / "simulate.json").read_text())["rollarc"]
+    assert steps["calibrated"]["steps"] == steps["plain"]["steps"] == 3
+    assert steps["calibrated"]["step_s"] > steps["plain"]["step_s"]
+    alone = subprocess.run([sys.executable, "flows/simulate.py", "--calibration",
+                            str(DATA / "calibration-uniform-s0.json")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "--validate" in alone.stderr and "--config" in alone.stderr
+
+
 @pytest.mark.long
 def test_the_simulation_predicts_a_fresh_emulated_bench_run(tmp_path):
     """The real pipeline on emulated devices (flows/bench.py, a seed the stored calibration did
