@@ -125,7 +125,8 @@ def test_router_prefers_affinity_then_least_loaded():
 def test_length_aware_placement_keeps_short_turns_on_fast_gpus_and_splits_long_ones():
     from collections import Counter
 
-    from flows.training.turn_placement import ResponseLengths, plan_turn
+    from flows.training.lengths import ResponseLengths
+    from flows.training.turn_placement import plan_turn
     from resources.catalog import CATALOG
     from resources.device_model import DeviceModel, model_spec
     from resources.pools import Tag

@@ -10,15 +10,9 @@ import pytest
 
 from flows.config import load_config
 from flows.config.choices import TurnPlacement
+from flows.training.lengths import PRIOR_WEIGHT, LengthEstimates, max_turns
 from flows.training.orchestration import PoolWorkers
-from flows.training.turn_placement import (
-    PRIOR_WEIGHT,
-    SETTLE_TRAJECTORIES,
-    EnvTaskAffinity,
-    LengthEstimates,
-    max_turns,
-    place_turn,
-)
+from flows.training.turn_placement import SETTLE_TRAJECTORIES, EnvTaskAffinity, place_turn
 from resources.affinity import Home, TrajectoryShape
 from resources.catalog import CATALOG
 from resources.device_model import DeviceModel, model_spec
