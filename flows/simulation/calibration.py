@@ -338,8 +338,10 @@ def fit(bench: BenchDigest) -> Calibration:
     pooled_n = sum(n * limits[name] for name, (n, _) in turns.items() if limits.get(name))
     pooled_t = sum(t for name, (_, t) in turns.items() if limits.get(name))
     prior = min(1.0, pooled_t / pooled_n) if pooled_n else 1.0
+    # a cohort barrier holds finished members for their mates outside any emulated wait: the
+    # simulator models that hold itself (rollout.cohort_barrier), so it is not host time
     points = [(r.measures.turns_in_flight, r.measures.hops_per_turn, r.measures.turn_outside_s)
-              for r in runs if r.measures.turns]
+              for r in runs if r.measures.turns and not bench.config(r).rollout.cohort_barrier]
     b, c = fit_overhead(points)
     scores = [r.measures.score_task_s for r in runs if r.measures.score_task_s is not None]
     cal = Calibration(source=f"{bench.workload} seed {bench.seed}", turn_share=share,

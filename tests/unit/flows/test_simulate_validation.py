@@ -180,9 +180,10 @@ def test_the_stored_calibration_is_what_the_stored_run_fits():
 def test_held_out_runs_are_predicted_within_bounds():
     """Calibrated on uniform (seed 0), the simulator predicts the stored long_tail (seed 0) and
     env_heavy (seed 1) runs, other workloads and seeds, without their turn counts or
-    orchestration. When stored: step times within 21% (10% on average), ratios to rollarc within
-    31% (18% on average); the bounds add a margin. A simulator that drifts (the device model,
-    the flow's decisions, the calibration's model) fails here."""
+    orchestration, each the median over 5 simulator seeds. When stored: step times within 18%
+    (11% on average), ratios to rollarc within 19% (12% on average); the bounds add a margin.
+    A simulator that drifts (the device model, the flow's decisions, the calibration's model)
+    fails here."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = []
     for name in ("long_tail-s0.json", "env_heavy-s1.json"):
@@ -191,15 +192,15 @@ def test_held_out_runs_are_predicted_within_bounds():
                                                "async-monolithic", "sync-monolithic"}
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.30 and s["step_error_mean"] <= 0.15, table
-    assert s["ratio_error_max"] <= 0.40 and s["ratio_error_mean"] <= 0.25, table
+    assert s["step_error_max"] <= 0.25 and s["step_error_mean"] <= 0.15, table
+    assert s["ratio_error_max"] <= 0.25 and s["ratio_error_mean"] <= 0.17, table
 
 
 def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_bounds():
     """Calibrated on uniform (seed 0, 6 steps, time_scale 0.05), the simulator predicts the
     stored paper_mix bench (16 steps, 3 repeats, time_scale 0.2; its systems are RollArc's
     pools against H20-only and H800-only inference and async-monolithic), the median over the
-    repeats. When stored: step times within 20%, ratios to rollarc within 10%; the bounds add
+    repeats. When stored: step times within 17%, ratios to rollarc within 12%; the bounds add
     a margin."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
@@ -208,3 +209,18 @@ def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_b
     s = validation.summary(records)
     table = validation.validation_table(records)
     assert s["step_error_max"] <= 0.25 and s["ratio_error_max"] <= 0.15, table
+
+
+def test_a_calibration_at_the_bench_time_scale_predicts_another_workload_within_bounds():
+    """Calibrated on the long_tail bench (6 steps, 3 repeats, time_scale 0.2; its cohort-barrier
+    runs left out of the host fit), the simulator predicts the stored paper_mix bench (another
+    workload, 16 steps, the same time scale). When stored: step times within 16%, ratios to
+    rollarc within 11%; the bounds add a margin."""
+    bench = read_bench(DATA / "long_tail-ts0.2-s0.json")
+    cal = fit(bench)
+    barrier = [r for r in bench.runs if bench.config(r).rollout.cohort_barrier]
+    assert barrier and len(cal.points) == len(bench.runs) - len(barrier)
+    records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
+    s = validation.summary(records)
+    table = validation.validation_table(records)
+    assert s["step_error_max"] <= 0.20 and s["ratio_error_max"] <= 0.14, table
