@@ -10,8 +10,10 @@ Devices come whole and a pool has one engine shape (``workers`` x ``gpus``), so 
 met within :data:`COST_TOLERANCE`: one H800 ($2.20/h) is 12 % of an $18/h budget, and the
 nearest count is up to 6 % off; :func:`equal_cost_shape` searches every engine size and worker
 count for the closest shape within the tolerance, preferring engines the size of the system's
-own largest inference engine. :func:`monolithic_shape` is the one definition of the monolithic
-baseline, used by the bench and the simulator alike.
+own largest inference engine, or for the monolithic baseline ``cluster.monolithic_gpus`` when the
+workload sets it (the baseline's own best size: RollArc's largest engine is no reason for it).
+:func:`monolithic_shape` is the one definition of the monolithic baseline, used by the bench and
+the simulator alike.
 """
 
 from __future__ import annotations
@@ -158,11 +160,12 @@ def largest_engine(cfg: TrainConfig) -> int:
 def monolithic_shape(cfg: TrainConfig, max_workers: int | None = BENCH_MAX_WORKERS) -> Shape:
     """The monolithic baseline of ``cfg``: one pool of ``cluster.monolithic_profile`` devices
     doing everything (training time-shared), at the hourly cost of the configured inference
-    and trainer pools, engines as close in size to the largest inference engine as that
-    allows."""
+    and trainer pools, engines as close in size to ``cluster.monolithic_gpus`` (when set; else
+    to the largest inference engine) as that allows."""
     _, cost = gpu_cost(cfg, GPU_ROLES)
     hw = get_profile(cfg.cluster.monolithic_profile, cfg.affinity.profiles)
-    return equal_cost_shape(cost, 0.0, hw.price_per_hour, largest_engine(cfg),
+    engine = cfg.cluster.monolithic_gpus or largest_engine(cfg)
+    return equal_cost_shape(cost, 0.0, hw.price_per_hour, engine,
                             lambda g: model_fits(cfg, hw, g), max_workers)
 
 

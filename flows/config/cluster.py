@@ -73,7 +73,10 @@ class ClusterConfig(Section):
     monolithic_workers: int | None = Field(default=None, ge=1, description="Workers of the "
                                            "monolithic pool (null: as many as the pools have)")
     monolithic_gpus: int | None = Field(default=None, ge=1, description="Devices per monolithic "
-                                        "worker (null: the most a pool has)")
+                                        "worker (null: the most a pool has); the engine size "
+                                        "flows/bench.py and flows/simulate.py give the "
+                                        "monolithic baseline (null: RollArc's largest "
+                                        "inference engine's)")
     monolithic_profile: str = Field(default="H800", description="Profile of the single pool "
                                     "that placement=monolithic uses")
     host: str = Field(default="127.0.0.1", description="Address the embedded scheduler, its "

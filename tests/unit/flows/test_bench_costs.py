@@ -39,6 +39,19 @@ def test_the_bench_and_the_simulator_share_one_monolithic_baseline(workload):
         assert bench[name] == sim_systems.system_overrides(cfg, name)
 
 
+def test_the_monolithic_baseline_takes_its_own_engine_size_when_the_workload_sets_one():
+    cfg = load_config(ROOT / "config" / "bench" / "paper_mix.yaml")
+    _, reference = costs.provisioned(cfg)
+    # unset, the baseline's engines follow RollArc's largest inference engine (4 H20)
+    follow = with_overrides(cfg, ["cluster.monolithic_gpus=null"])
+    assert costs.monolithic_shape(follow) == costs.Shape(3, 4)
+    for gpus, workers in ((2, 6), (4, 3)):
+        own = with_overrides(cfg, [f"cluster.monolithic_gpus={gpus}"])
+        assert costs.monolithic_shape(own) == costs.Shape(workers, gpus)
+        _, cost = costs.provisioned(with_overrides(own, costs.monolithic_overrides(own)))
+        assert abs(costs.deviation(cost, reference)) <= costs.COST_TOLERANCE
+
+
 def test_the_shape_search_meets_the_tolerance_where_four_workers_of_1_2_4_8_could_not():
     # $13.60/h of inference beside a $4.40/h trainer, in H20s ($0.95): 14 devices
     shape = costs.equal_cost_shape(18.0, 4.4, 0.95, engine_gpus=4)
