@@ -133,10 +133,17 @@ class EventLoop:
             # from the workers: the results need not pass through the scheduler, and a gather
             # through it logs an event on the "all" topic, whose last 50 events (the run's
             # bounded Dask logs) would then hold only gathers, not the run's milestones
-            gather = asyncio.wait_for(self.client.gather(done, direct=True, asynchronous=True),
-                                      GATHER_TIMEOUT_S)
-            results = asyncio.run_coroutine_threadsafe(
-                gather, self.client.loop.asyncio_loop).result()
+            # The limit is kept here, on this thread: ``asyncio.wait_for`` on the loop would
+            # wait for the cancelled gather to finish, and one that swallows the cancellation
+            # (its retries to a worker that went away) held the run for good.
+            gather = asyncio.run_coroutine_threadsafe(
+                self.client.gather(done, direct=True, asynchronous=True),
+                self.client.loop.asyncio_loop)
+            try:
+                results = gather.result(timeout=GATHER_TIMEOUT_S)
+            except BaseException:
+                gather.cancel()  # asks the loop to stop it; never waits for that
+                raise
             return dict(zip((f.key for f in done), results, strict=True))
         except Exception:  # a result was lost in between (worker died): fetch one by one
             out = {}

@@ -4,6 +4,7 @@ not waited on."""
 
 from __future__ import annotations
 
+import asyncio
 import operator
 import os
 import time
@@ -14,6 +15,7 @@ from distributed import Client, LocalCluster
 
 from flows.api import run_training
 from flows.config import load_config
+from flows.training import events
 from flows.training.events import EventLoop, FutureKind
 from flows.training.lifecycle import TrajState
 from tasks.env_steps import env_step
@@ -120,3 +122,28 @@ def test_finished_failed_and_cancelled_futures_each_come_back_once(client):
     assert (by_key[bad.key].result, by_key[bad.key].future.status) == (None, "error")
     assert (by_key[slow.key].result, by_key[slow.key].future.status) == (None, "cancelled")
     assert loop.next_batch(wake=lambda: True) == []
+
+
+def test_a_gather_that_swallows_its_cancellation_does_not_hold_the_driver(client, monkeypatch):
+    """A gather from a worker going away once ignored the cancellation of its time limit and held
+    a run for good. The limit is the driver's own: past it, the results are fetched one by one
+    and the batch comes back."""
+    monkeypatch.setattr(events, "GATHER_TIMEOUT_S", 1)
+
+    async def deaf_gather(futures, **_):
+        end = asyncio.get_running_loop().time() + 8
+        while asyncio.get_running_loop().time() < end:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass  # swallowed
+        return [None] * len(futures)
+
+    loop = EventLoop(client)
+    fut = loop.track(client.submit(sum, [1, 2], pure=False), FutureKind.TURN)
+    fut.result(timeout=30)
+    monkeypatch.setattr(client, "gather", deaf_gather)
+    t0 = time.monotonic()
+    [event] = loop.next_batch(wake=lambda: False)
+    assert time.monotonic() - t0 < 5
+    assert (event.kind, event.result) == (FutureKind.TURN, 3)
