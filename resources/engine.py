@@ -3,7 +3,9 @@
 :class:`InferenceEngine` is one model per worker process, versioned weights, and a
 micro-batcher that merges the forward requests of concurrent tasks into shared forward passes.
 :class:`HFBackend` puts the turn logic of :mod:`tasks.generation` (``kv_prefill``,
-``kv_decode``) on top of it; its cache handle is a :class:`tasks.records.KVCache`.
+``kv_decode``) on top of it, with a :class:`resources.kv_store.KVStore` that keeps each
+conversation's KV on the worker between turns; its cache handle is a
+:class:`tasks.records.KVCache` (the conversation's key and tokens).
 
 Each Dask task thread calls :meth:`InferenceEngine.forward` and blocks; one engine thread drains
 the request queue, pads the requests' past KV caches (left) and new tokens (right) into one batch,
@@ -32,6 +34,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from resources.catalog import HardwareProfile
+from resources.kv_store import KVStore
 from resources.weight_staging import WeightStaging
 from tasks.components import accepts
 from tasks.generation import kv_decode, kv_prefill
@@ -209,10 +212,12 @@ class InferenceEngine:
 
 class HFBackend:
     """The ``hf`` backend: an :class:`InferenceEngine` plus the tokenizer, stop tokens and
-    context limit a turn needs."""
+    context limit a turn needs, and the worker's store of conversations' KV."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer, stop_ids: list[int], max_context: int):
+    def __init__(self, engine: InferenceEngine, tokenizer, stop_ids: list[int], max_context: int,
+                 store: KVStore | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.store = store if store is not None else KVStore(2 * 2**30)
         self.stop_ids, self.max_context = list(stop_ids), max_context
 
     @property
@@ -222,28 +227,39 @@ class HFBackend:
     def prefill(self, cache: KVCache | None, new_ids: list[int],
                 shape: TurnShape | None = None) -> PrefillOutput:
         """``shape`` (virtual lengths) means nothing to a real engine."""
-        return kv_prefill(self.engine, cache, new_ids)
+        return kv_prefill(self.engine, self.store, cache, new_ids)
 
     def decode(self, prefilled: PrefillOutput, cache: KVCache | None, params: SamplingParams,
                seed: int, shape: TurnShape | None = None) -> DecodeOutput:
-        return kv_decode(self.engine, prefilled, cache, self.tokenizer, params, self.stop_ids,
-                         self.max_context, seed)
+        return kv_decode(self.engine, self.store, prefilled, cache, self.tokenizer, params,
+                         self.stop_ids, self.max_context, seed)
 
     def load_weights(self, snapshot: WeightsSnapshot) -> int:
         return self.engine.load_weights(snapshot.state, snapshot.version)
 
     def stats(self) -> dict:
-        return dict(self.engine.stats.__dict__, version=self.engine.version)
+        return dict(self.engine.stats.__dict__, version=self.engine.version,
+                    kv_store=dict(self.store.stats.__dict__, conversations=len(self.store),
+                                  bytes=self.store.nbytes))
 
     def close(self) -> None:
         self.engine.close()
 
 
-def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.0) -> HFBackend:
-    """Build the ``hf`` backend of ``policy`` (the ``engine.backend`` default)."""
+def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.0,
+               kv_store_gib: float = 2.0) -> HFBackend:
+    """Build the ``hf`` backend of ``policy`` (the ``engine.backend`` default).
+
+    The worker keeps its conversations' KV between their turns (float32 on the CPU) up to
+    ``kv_store_gib`` and no more than four batches of full contexts (``max_batch`` x
+    ``policy.max_context`` tokens each), least recently used evicted first: ended trajectories
+    go before live ones, and a live one evicted has its KV computed again at its next turn."""
     model, tokenizer = load_policy(policy)
+    layers, kv_heads, head_dim = kv_geometry(model)
+    token_bytes = layers * 2 * kv_heads * head_dim * 4
+    capacity = min(int(kv_store_gib * 2**30), 4 * max_batch * policy.max_context * token_bytes)
     return HFBackend(InferenceEngine(model, max_batch=max_batch, batch_wait_s=batch_wait_s),
-                     tokenizer, stop_token_ids(tokenizer), policy.max_context)
+                     tokenizer, stop_token_ids(tokenizer), policy.max_context, KVStore(capacity))
 
 
 def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,

@@ -9,10 +9,15 @@ batched forward engine (:class:`resources.engine.InferenceEngine`): prefill (com
 the turn's new tokens after the cache so far and returns only their KV plus the last position's
 logits; decode (bandwidth-bound) samples from those logits and continues token by token, running
 only the tokens it sampled itself, except the last, which the next turn's prefill reads first.
-No token's KV is computed twice.
+Each keeps the conversation's KV in its worker's store (:class:`resources.kv_store.KVStore`, the
+``store`` argument) for the next turn, so between turns only the new tokens' KV moves, prefill to
+decode; the one KV computed twice is what a worker's store lacks: the tokens decode ran itself,
+when their next prefill runs on another worker, and whatever was evicted.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import numpy as np
 import torch
@@ -56,14 +61,25 @@ def response_of(decoded: DecodeOutput) -> TurnSample:
 # -- the hf backend's turn over a forward engine ------------------------------------------------
 
 
-def kv_prefill(engine, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
-    """KV for ``cache.pending_ids + new_ids`` (new tokens only) and the last logits."""
-    ids = (cache.pending_ids if cache is not None else []) + list(new_ids)
-    res = engine.forward(cache.kv if cache is not None else None, ids)
+def kv_prefill(engine, store, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
+    """KV for ``cache.pending_ids + new_ids`` (new tokens only) and the last logits; what of the
+    conversation's KV before them ``store`` lacks is run in the same pass."""
+    key = cache.key if cache is not None else uuid.uuid4().hex
+    history = list(cache.token_ids) if cache is not None else []
+    n_past = cache.n_tokens if cache is not None else 0
+    ids = history + list(new_ids)
+    held = store.lookup(key, history, n_past)
+    m = held.shape[3] if held is not None else 0
+    if n_past > m:
+        store.recomputed(n_past - m)
+    res = engine.forward(held, ids[m:])
+    kv_run = res.kv_new.numpy()
+    kv = np.concatenate([held, kv_run], axis=3) if m else kv_run
+    store.put(key, ids, kv)
     return PrefillOutput(
-        kv_new=res.kv_new.numpy(), last_logits=res.last_logits.numpy(),
-        n_past=cache.n_tokens if cache is not None else 0, n_new=len(ids),
-        policy_version=res.version,
+        kv_new=np.ascontiguousarray(kv[:, :, :, n_past:]), last_logits=res.last_logits.numpy(),
+        n_past=n_past, n_new=len(ids) - n_past, policy_version=res.version, key=key,
+        input_ids=ids[n_past:],
     )
 
 
@@ -79,23 +95,33 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     return tok, float(logp[tok])
 
 
-def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokenizer,
+def kv_decode(engine, store, prefill_out: PrefillOutput, cache: KVCache | None, tokenizer,
               params: SamplingParams, stop_ids: list[int], max_context: int,
               seed: int) -> DecodeOutput:
     """Sample the turn's response starting from prefill's logits.
 
-    The cache grows on this worker: ``cache.kv`` (already here when turn placement keeps a
-    trajectory's decodes on one worker) + ``prefill_out.kv_new`` + the sampled tokens'. The
-    last sampled token is not run: no token is sampled from its logits in this turn, so its KV
-    is left to the next turn's prefill, which reads it first (``KVCache.pending_ids``), as a
-    serving engine leaves a finished request's last token unprocessed. A one-token response
-    then costs decode no forward pass at all.
+    The cache grows on this worker: what ``store`` holds of the conversation (all of it when
+    turn placement keeps a trajectory's decodes on one worker; what it lacks is run first) +
+    ``prefill_out.kv_new`` + the sampled tokens'. The last sampled token is not run: no token is
+    sampled from its logits in this turn, so its KV is left to the next turn's prefill, which
+    reads it first (``KVCache.pending_ids``), as a serving engine leaves a finished request's
+    last token unprocessed. A one-token response then costs decode no forward pass at all.
     """
-    parts = [cache.kv] if cache is not None else []
+    n_past = prefill_out.n_past
+    history = list(cache.token_ids[:n_past]) if cache is not None else []
+    held = store.lookup(prefill_out.key, history, n_past)
+    m = held.shape[3] if held is not None else 0
+    parts = [held] if m else []
+    version = oldest = prefill_out.policy_version
+    recomputed = n_past - m
+    if recomputed:  # this worker lacks part of the conversation's KV: run it first
+        store.recomputed(recomputed)
+        res = engine.forward(held, history[m:])
+        parts.append(res.kv_new.numpy())
+        oldest = min(oldest, res.version)
     kv = torch.from_numpy(np.concatenate(parts + [prefill_out.kv_new], axis=3))
     gen = torch.Generator().manual_seed(seed)
     logits = torch.from_numpy(prefill_out.last_logits)
-    version = oldest = prefill_out.policy_version
     tokens, logprobs, versions = [], [], []
     processed = 0
     stopped = context_full = False
@@ -120,7 +146,10 @@ def kv_decode(engine, prefill_out: PrefillOutput, cache: KVCache | None, tokeniz
         text=tokenizer.decode(text_ids, skip_special_tokens=True), stopped=stopped,
         context_full=context_full, decode_tokens_processed=processed, oldest_version=oldest,
     )
-    return DecodeOutput(cache=KVCache(kv.numpy(), [tokens[-1]]), sample=sample)
+    conversation = history + list(prefill_out.input_ids) + tokens
+    n_tokens = int(kv.shape[3])
+    store.put(prefill_out.key, conversation[:n_tokens], kv.numpy())
+    return DecodeOutput(cache=KVCache(prefill_out.key, conversation, n_tokens), sample=sample)
 
 
 def load_weights(backend, snapshot: WeightsSnapshot) -> int:

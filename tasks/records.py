@@ -1,9 +1,9 @@
 """Typed records passed between tasks.
 
-The ``hf`` backend's KV caches travel as one float32 numpy array shaped ``[layers, 2 (k|v),
-kv_heads, tokens, head_dim]``: numpy arrays cross Dask as zero-copy frames, while Dask's torch
-serialiser goes through ``Tensor.numpy()`` and so fails on CUDA and bf16 tensors (dask/distributed
-issues #6111, #8001).
+The ``hf`` backend's KV travels (a turn's new tokens', prefill to decode) as one float32 numpy
+array shaped ``[layers, 2 (k|v), kv_heads, tokens, head_dim]``: numpy arrays cross Dask as
+zero-copy frames, while Dask's torch serialiser goes through ``Tensor.numpy()`` and so fails on
+CUDA and bf16 tensors (dask/distributed issues #6111, #8001).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import numpy as np
 class PrefillOutput:
     """KV of this turn's new tokens only, and the logits at the last position.
 
-    kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab].
+    kv_new: [layers, 2, kv_heads, n_new, head_dim]; last_logits: [vocab]; ``key`` and
+    ``input_ids``: the conversation's key in the workers' KV stores and the ``n_new`` tokens
+    read, after ``n_past`` whose KV exists already.
     """
 
     kv_new: np.ndarray
@@ -27,6 +29,8 @@ class PrefillOutput:
     n_past: int
     n_new: int
     policy_version: int
+    key: str = ""
+    input_ids: list[int] = field(default_factory=list)
 
     def __sizeof__(self) -> int:  # what Dask's sizeof reports, for transfers and memory
         return int(self.kv_new.nbytes + self.last_logits.nbytes) + 128
@@ -77,21 +81,25 @@ class TurnShape:
 
 @dataclass
 class KVCache:
-    """The ``hf`` backend's cache handle: the KV of every token so far except ``pending_ids``
-    (the last sampled token, whose KV no turn needed yet), which a next prefill reads first.
+    """The ``hf`` backend's cache handle: the conversation's key and its tokens so far; the KV of
+    all but the last ``len(pending_ids)`` of them (the last sampled token, whose KV no turn
+    needed yet; the next prefill reads it first) exists on the workers that computed it.
 
-    kv: [layers, 2, kv_heads, tokens, head_dim].
+    The KV itself stays on those workers, in their :class:`resources.kv_store.KVStore`, so only
+    this handle moves between turns; a worker whose store lacks some of it (the last turn ran on
+    another pool, or it was evicted) computes it again from ``token_ids``.
     """
 
-    kv: np.ndarray
-    pending_ids: list[int] = field(default_factory=list)
+    key: str
+    token_ids: list[int]
+    n_tokens: int
 
     @property
-    def n_tokens(self) -> int:
-        return int(self.kv.shape[3])
+    def pending_ids(self) -> list[int]:
+        return self.token_ids[self.n_tokens:]
 
     def __sizeof__(self) -> int:
-        return int(self.kv.nbytes) + 64 * (len(self.pending_ids) + 2)
+        return 64 * (len(self.token_ids) + 4)
 
 
 @dataclass

@@ -97,8 +97,9 @@ def test_a_bfloat16_model_hands_back_float32_cpu_results(policy, obs):
         backend = HFBackend(engine, tok, stop_token_ids(tok), 256)
         pre = prefill(backend, None, obs([3, 6, 7, 4]))
         out = decode(backend, pre, None, SamplingParams(max_new_tokens=5), seed=0)
-        assert pre.kv_new.dtype == out.cache.kv.dtype == np.float32
-        assert out.cache.kv.shape[3] == 4 + out.sample.decode_tokens_processed
+        kept = backend.store.lookup(out.cache.key, out.cache.token_ids, out.cache.n_tokens)
+        assert pre.kv_new.dtype == kept.dtype == np.float32
+        assert kept.shape[3] == out.cache.n_tokens == 4 + out.sample.decode_tokens_processed
         assert out.sample.decode_tokens_processed == len(out.sample.token_ids) - 1
         assert np.isfinite(out.sample.logprobs).all()
     finally:

@@ -53,10 +53,11 @@ def test_hf_backend_on_cuda_samples_the_log_probs_the_trainer_recomputes():
         obs = EnvObservation(handle=EnvHandle("w", "e"), text="", input_ids=prompt)
         pre = prefill(backend, None, obs)
         out = decode(backend, pre, None, SamplingParams(max_new_tokens=24), seed=1)
+        kept = backend.store.lookup(out.cache.key, out.cache.token_ids, out.cache.n_tokens)
     finally:
         backend.close()
-    # what a turn hands on is host memory in float32, fit for Dask's serialisation
-    assert pre.kv_new.dtype == pre.last_logits.dtype == out.cache.kv.dtype == np.float32
+    # what a turn hands on or keeps is host memory in float32, fit for Dask's serialisation
+    assert pre.kv_new.dtype == pre.last_logits.dtype == kept.dtype == np.float32
     response = out.sample.token_ids
     ids = np.array(prompt + response)
     mask = np.arange(len(ids)) >= len(prompt)

@@ -85,3 +85,53 @@ def test_kv_only_forward_passes_count_for_staleness(make_backend, policy, obs):
     assert traj.versions[traj.loss_mask].tolist() == [1, 0, 1, 0]
     assert traj.oldest_version == 0
     assert staleness(1, traj) == 1
+
+
+def _teacher_forced(model, seq):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+
+
+def test_only_the_new_tokens_kv_moves_and_a_worker_that_lacks_the_rest_runs_it(
+        make_backend, policy, obs):
+    """Turn 0 on one pair of workers, turn 1's prefill and decode each on a worker that saw
+    nothing of the conversation: they compute its KV again from the handle's token ids, and the
+    sampled log-probs are still the model's."""
+    model, _ = policy
+    a_pre, a_dec = make_backend(stop_ids=[]), make_backend(stop_ids=[])
+    b_pre, b_dec = make_backend(stop_ids=[]), make_backend(stop_ids=[])
+    params = SamplingParams(max_new_tokens=3)
+    turn0, turn1 = [3, 6, 7, 8, 4], [5, 3, 9, 4]
+    p0 = prefill(a_pre, None, obs(turn0))
+    d0 = decode(a_dec, p0, None, params, seed=1)
+    # the handle carries tokens, no KV; prefill handed decode the turn's tokens' KV only
+    assert not any(isinstance(v, np.ndarray) for v in vars(d0.cache).values())
+    assert p0.kv_new.shape[3] == len(turn0)
+    p1 = prefill(b_pre, d0, obs(turn1))
+    assert p1.kv_new.shape[3] == p1.n_new == len(d0.cache.pending_ids) + len(turn1)
+    assert b_pre.store.stats.recomputed_tokens == d0.cache.n_tokens
+    d1 = decode(b_dec, p1, d0, params, seed=2)
+    assert b_dec.store.stats.recomputed_tokens == d0.cache.n_tokens
+    assert a_pre.store.stats.recomputed_tokens == a_dec.store.stats.recomputed_tokens == 0
+    seq = turn0 + d0.sample.token_ids + turn1 + d1.sample.token_ids
+    assert d1.cache.token_ids == seq
+    logp = _teacher_forced(model, seq)
+    start1 = len(turn0) + len(d0.sample.token_ids) + len(turn1)
+    for i, t in enumerate(d1.sample.token_ids):
+        assert abs(float(logp[start1 + i - 1, t]) - d1.sample.logprobs[i]) < 1e-4
+
+
+def test_a_worker_that_ran_the_last_turn_reads_the_conversation_from_its_store(
+        make_backend, obs):
+    """Prefill on one worker, decode on another, three turns: prefill computes only the tokens
+    decode sampled but did not run, decode nothing again."""
+    pre, dec = make_backend(stop_ids=[]), make_backend(stop_ids=[])
+    params = SamplingParams(max_new_tokens=3)
+    past = None
+    for turn, ids in enumerate(([3, 6, 7, 4], [5, 3, 9, 4], [8, 9, 4])):
+        p = prefill(pre, past, obs(ids))
+        past = decode(dec, p, past, params, seed=turn)
+    decoded_not_prefilled = 2 * 2  # turns 0 and 1 each ran two of their three samples
+    assert pre.store.stats.recomputed_tokens == decoded_not_prefilled
+    assert dec.store.stats.recomputed_tokens == 0
+    assert dec.store.stats.hits == 2 and pre.store.stats.hits == 2
