@@ -133,9 +133,10 @@ class EventLoop:
             # from the workers: the results need not pass through the scheduler, and a gather
             # through it logs an event on the "all" topic, whose last 50 events (the run's
             # bounded Dask logs) would then hold only gathers, not the run's milestones
-            # The limit is kept here, on this thread: ``asyncio.wait_for`` on the loop would
-            # wait for the cancelled gather to finish, and one that swallows the cancellation
-            # (its retries to a worker that went away) held the run for good.
+            # The limit is kept here, on this thread: ``asyncio.wait_for`` on the loop waits for
+            # the cancelled gather to finish, and on Python 3.11 a cancellation can be lost
+            # inside it (a nested wait_for, python/cpython#86296): a run that lost a worker was
+            # held for good that way.
             gather = asyncio.run_coroutine_threadsafe(
                 self.client.gather(done, direct=True, asynchronous=True),
                 self.client.loop.asyncio_loop)
