@@ -64,7 +64,14 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
     n_prompt = len(obs.result().input_ids)
     # decode ran the tokens it sampled but the last (the next prefill reads it first)
     assert sample0.decode_tokens_processed == len(sample0.token_ids) - 1
-    # second turn: the cache comes back from the decode worker to the prefill worker
+    def recomputed(worker, stage):
+        return c.submit(with_backend, lambda b: b.store.stats.recomputed_tokens,
+                        workers=[worker], allow_other_workers=False, resources=demand(stage),
+                        pure=False).result()
+
+    before = recomputed(pre_w, Stage.PREFILL), recomputed(dec_w, Stage.DECODE)
+    # second turn: the cache handle comes back from the decode worker to the prefill worker,
+    # which holds the conversation's KV but for the tokens decode ran
     pre1 = sub(Stage.PREFILL, with_backend, prefill, dec0, obs, worker=pre_w)
     dec1 = sub(Stage.DECODE, with_backend, decode, pre1, dec0, params=params, seed=1,
                worker=dec_w)
@@ -86,10 +93,13 @@ def test_kv_handoff_moves_the_cache_between_worker_processes(cluster, policy):
     assert moved and moved[0]["who"] == pre_w
     expect = n_prompt * per_token + vocab * 4
     assert expect <= moved[0]["keys"][pre0.key] <= expect * 1.1 + 2048
-    # decode -> prefill: the whole cache so far
+    # decode -> prefill: the handle (the conversation's tokens and the sample), not the cache
     back = [e for e in logs[pre_w] if dec0.key in e["keys"]]
     assert back and back[0]["who"] == dec_w
-    assert n0 * per_token <= back[0]["keys"][dec0.key] <= n0 * per_token * 1.1 + 4096
+    assert back[0]["keys"][dec0.key] < n0 * per_token / 4
+    # the prefill worker ran again only the tokens decode ran, the decode worker nothing
+    after = recomputed(pre_w, Stage.PREFILL), recomputed(dec_w, Stage.DECODE)
+    assert (after[0] - before[0], after[1] - before[1]) == (sample0.decode_tokens_processed, 0)
     # decode's own past cache was already local: never fetched by the decode worker
     assert not [e for e in logs[dec_w] if dec0.key in e["keys"]]
     assert obs.key not in {k for e in logs[dec_w] for k in e["keys"]}
