@@ -67,6 +67,7 @@ def _noise(proc) -> list[str]:
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # ten runs: about 30 s each here, more on a slower machine
 def test_ten_default_runs_in_a_row_end_quietly(tmp_path):
     """The intermittent case (a heartbeat racing the scheduler's exit logged an error after
     the run's ``done:`` line in about one run of several): ten short default runs, each
