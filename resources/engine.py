@@ -51,6 +51,8 @@ from tasks.specs import PolicySpec
 
 logger = logging.getLogger(__name__)
 
+KV_STORE_GIB = 2.0  # the most conversations' KV an hf worker keeps between turns, by default
+
 
 def cache_kwarg(model: PreTrainedModel) -> str:
     """transformers renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40)."""
@@ -217,7 +219,7 @@ class HFBackend:
     def __init__(self, engine: InferenceEngine, tokenizer, stop_ids: list[int], max_context: int,
                  store: KVStore | None = None):
         self.engine, self.tokenizer = engine, tokenizer
-        self.store = store if store is not None else KVStore(2 * 2**30)
+        self.store = store if store is not None else KVStore(int(KV_STORE_GIB * 2**30))
         self.stop_ids, self.max_context = list(stop_ids), max_context
 
     @property
@@ -247,7 +249,7 @@ class HFBackend:
 
 
 def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.0,
-               kv_store_gib: float = 2.0) -> HFBackend:
+               kv_store_gib: float = KV_STORE_GIB) -> HFBackend:
     """Build the ``hf`` backend of ``policy`` (the ``engine.backend`` default).
 
     The worker keeps its conversations' KV between their turns (float32 on the CPU) up to

@@ -12,6 +12,11 @@ from tasks.generation import decode, prefill
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, WeightsSnapshot
 
 
+def _teacher_forced(model, seq):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+
+
 def test_two_turns_compute_each_token_once_and_match_teacher_forcing(make_backend, policy, obs):
     model, tok = policy
     backend = make_backend(stop_ids=[])
@@ -33,8 +38,7 @@ def test_two_turns_compute_each_token_once_and_match_teacher_forcing(make_backen
     seq = turn0 + s0.token_ids + turn1 + d1.sample.token_ids
     assert d1.cache.n_tokens + len(d1.cache.pending_ids) == len(seq)
     # behaviour log-probs equal teacher-forced log-probs of the same weights
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+    logp = _teacher_forced(model, seq)
     start1 = len(turn0) + len(s0.token_ids) + len(turn1)
     for i, t in enumerate(d1.sample.token_ids):
         assert abs(float(logp[start1 + i - 1, t]) - d1.sample.logprobs[i]) < 1e-4
@@ -85,11 +89,6 @@ def test_kv_only_forward_passes_count_for_staleness(make_backend, policy, obs):
     assert traj.versions[traj.loss_mask].tolist() == [1, 0, 1, 0]
     assert traj.oldest_version == 0
     assert staleness(1, traj) == 1
-
-
-def _teacher_forced(model, seq):
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
 
 
 def test_only_the_new_tokens_kv_moves_and_a_worker_that_lacks_the_rest_runs_it(
