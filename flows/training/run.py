@@ -117,6 +117,7 @@ class TrainingRun:
         self.clock = RunClock()
         self._live_sent = 0.0
         self._end_detail = ""  # the drop detail of what the end's time limit cut
+        self.interrupt_requested = False  # an interrupt waits for the event loop's next pass
 
     @property
     def version(self) -> int:
@@ -174,6 +175,9 @@ class TrainingRun:
                 ev, self.abandoned.lost(ev)),
             FutureKind.PUBLISH: self.weights.on_publish}
         while True:
+            if self.interrupt_requested:  # between two batches: the bookkeeping is whole
+                self.interrupt_requested = False
+                raise KeyboardInterrupt
             if until is not None and self.version >= until and not self.driver.stopping:
                 self._send_live(force=True)
                 self.clock.pause()

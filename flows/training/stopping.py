@@ -5,7 +5,11 @@ reason, so that ``started = trained + dropped`` still holds after them."""
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from flows.training.events import cancel
@@ -17,6 +21,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRAIN_STEP_GRACE_S = 120  # an interrupted run waits this long for its running train step
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def interrupts_between_batches(request: Callable[[], None]) -> Iterator[None]:
+    """While the driver trains, SIGINT (Ctrl-C, a notebook's interrupt) and a SIGTERM that
+    Python handles (``flows/train.py``'s) call ``request()``: the event loop raises
+    KeyboardInterrupt at its next pass, between two batches of events, rather than wherever
+    the signal found the driver (half-way through a trajectory's bookkeeping, which the stop
+    would then trip over). A second signal goes to the handler that was there (Python's raises
+    KeyboardInterrupt at once). Off the main thread, and for a signal ignored or left to the
+    operating system, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: h for sig in DEFERRED_SIGNALS if callable(h := signal.getsignal(sig))}
+    requested = False
+
+    def defer(signum, frame) -> None:
+        nonlocal requested
+        if requested:
+            previous[signum](signum, frame)
+            return
+        requested = True
+        logger.warning("%s: stopping at the event loop's next pass (again to stop at once)",
+                       signal.Signals(signum).name)
+        request()
+
+    for sig in previous:
+        signal.signal(sig, defer)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cut_the_end(run: TrainingRun) -> str:

@@ -369,7 +369,8 @@ def test_ctrl_c_checkpoints_and_resume_continues_the_same_run(tmp_path):
         run_dir, ["trainer.max_steps=500", "trainer.checkpoint_every=1000",
                   "trainer.groups_per_step=2", "eval.every_steps=0"], signal.SIGINT, 2)
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted", \
+        err[-3000:]
     # the periodic one of the first step, then the interrupt's, of the last trained step
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
     assert [d.name for d in saved][0] == "step-000001" and len(saved) == 2

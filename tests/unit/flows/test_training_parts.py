@@ -1,15 +1,19 @@
-"""The run's small parts that hold state without Dask: the training clock and the evaluation
-rounds."""
+"""The run's small parts that hold state without Dask: the training clock, the evaluation
+rounds and the interrupt's deferral."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import numpy as np
+import pytest
 
 from flows.config import load_config
 from flows.training.evaluation import Evaluator
 from flows.training.events import RunClock
+from flows.training.stopping import interrupts_between_batches
 from tasks.records import Trajectory
 
 
@@ -51,3 +55,29 @@ def test_an_evaluation_round_reports_once_all_its_episodes_ended_failed_ones_cou
     assert metrics["eval/step"] == 5 and metrics["eval/failed"] == 1
     assert metrics["eval/policy_version_oldest"] == 4  # episodes ran on older weights
     assert ev.last is metrics and ev.start(10)[0].round_id == 1
+
+
+def test_an_interrupt_while_training_waits_for_the_loop_and_a_second_one_does_not():
+    asked = []
+    before = signal.getsignal(signal.SIGINT)
+    term = signal.getsignal(signal.SIGTERM)
+    with interrupts_between_batches(lambda: asked.append(1)):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C: the loop is asked, nothing raised here
+        assert asked == [1]
+        if not callable(term):  # a SIGTERM left to the OS (or ignored) stays so
+            assert signal.getsignal(signal.SIGTERM) == term
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C again: at once, as Python does
+            signal.raise_signal(signal.SIGINT)
+    assert asked == [1]
+    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == term
+    # a notebook that trains from another thread: signals are the main thread's, left alone
+    seen = []
+
+    def train_in_a_thread():
+        with interrupts_between_batches(lambda: None):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=train_in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [before]
