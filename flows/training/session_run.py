@@ -289,5 +289,5 @@ class Run:
             return
         if exc_type is None:
             self.close()
-        else:
-            self._stop(RunStatus.FAILED)
+        else:  # a stop that could not finish (logged) keeps its status: interrupted stays so
+            self._stop(self.status if self.ended else RunStatus.FAILED)
