@@ -131,7 +131,8 @@ def test_train_py_on_an_external_cluster_survives_a_killed_decode_worker(fresh, 
     proc = subprocess.Popen(
         [sys.executable, "flows/train.py", "--scheduler", fresh.address, "--run-dir",
          str(run_dir), f"trainer.max_steps={STEPS}", *DRILL],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as at a terminal
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.is_file() and metrics.read_text().strip()) and proc.poll() is None:
@@ -142,8 +143,12 @@ def test_train_py_on_an_external_cluster_survives_a_killed_decode_worker(fresh, 
     try:
         out, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        proc.send_signal(signal.SIGINT)  # a stop at the event loop's next pass
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # again: at once, wherever the driver is
+            out, err = proc.communicate(timeout=60)
         pytest.fail(f"the run did not end (seed {seed}): {err[-3000:]}")
     what = f"seed {seed}: {out[-1500:]}{err[-3000:]}"
     assert proc.returncode == 0, what
