@@ -226,6 +226,38 @@ def test_an_interrupt_cancels_the_run_and_leaves_the_cluster_usable(session, tmp
     assert again.close()["policy_version"] == 1
 
 
+def test_an_interrupt_whose_clean_up_fails_once_still_ends_interrupted(session, tmp_path,
+                                                                        monkeypatch):
+    """The clean-up after an interrupt raises (logged); leaving the ``with`` block stops the run
+    again, and the summary keeps the status ``interrupted``, every trajectory counted."""
+    seen = {"n": 0}
+
+    def interrupt_midway(transition, ledger):
+        seen["n"] += 1
+        if seen["n"] == 40:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with session.run(overrides=[*SMALL, "trainer.max_steps=2"], run_dir=tmp_path / "cut",
+                         on_transition=interrupt_midway) as run:
+            abort = run._run.abort
+            calls = []
+
+            def abort_failing_once(reason):
+                calls.append(reason)
+                if len(calls) == 1:
+                    raise RuntimeError("clean-up failed")
+                abort(reason)
+
+            monkeypatch.setattr(run._run, "abort", abort_failing_once)
+            run.train()
+    assert len(calls) == 2
+    s = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert s["status"] == "interrupted" and run.status is RunStatus.INTERRUPTED
+    t = s["trajectories"]
+    assert t["started"] == t["trained"] + sum(t["dropped"].values())
+
+
 def test_swap_replaces_one_env_tasks_parts_and_validates():
     def shaped(traj):
         return 1.0
