@@ -117,7 +117,7 @@ class TrainingRun:
         self.clock = RunClock()
         self._live_sent = 0.0
         self._end_detail = ""  # the drop detail of what the end's time limit cut
-        self.interrupt_requested = False  # an interrupt waits for the event loop's next pass
+        self._interrupted = False  # an interrupt waits for the event loop's next pass
 
     @property
     def version(self) -> int:
@@ -164,7 +164,16 @@ class TrainingRun:
     def train(self, progress: ProgressLine, until: int | None = None) -> bool:
         """The event loop: until ``trainer.max_steps`` steps are trained and nothing is left in
         flight (True), or until policy version ``until`` is reached (False: the work in flight
-        carries on, and the next call takes it up)."""
+        carries on, and the next call takes it up). An interrupt meanwhile raises
+        KeyboardInterrupt at the loop's next pass (:func:`stopping.interrupts_between_batches`)."""
+        self._interrupted = False
+        with stopping.interrupts_between_batches(self._interrupt):
+            return self._loop(progress, until)
+
+    def _interrupt(self) -> None:
+        self._interrupted = True
+
+    def _loop(self, progress: ProgressLine, until: int | None) -> bool:
         self.clock.start()
         self._handlers = {
             FutureKind.TURN: self._on_turn, FutureKind.SCORE: self._on_score,
@@ -175,8 +184,7 @@ class TrainingRun:
                 ev, self.abandoned.lost(ev)),
             FutureKind.PUBLISH: self.weights.on_publish}
         while True:
-            if self.interrupt_requested:  # between two batches: the bookkeeping is whole
-                self.interrupt_requested = False
+            if self._interrupted:  # between two batches: the bookkeeping is whole
                 raise KeyboardInterrupt
             if until is not None and self.version >= until and not self.driver.stopping:
                 self._send_live(force=True)

@@ -30,7 +30,6 @@ from flows.monitoring.records import RecordKind
 from flows.training.launch import start_reward_service
 from flows.training.lifecycle import DropReason, TrajectoryLedger, Transition
 from flows.training.run import PoolLost, TrainingRun
-from flows.training.stopping import interrupts_between_batches
 from resources.lambda_emulator import LambdaEmulator
 from tasks.components import check_component
 from tasks.records import Trajectory
@@ -160,10 +159,8 @@ class Run:
             self._report = performance_report(filename=str(self.run_dir / "dask-report.html"))
             self._report.__enter__()
         self.status = RunStatus.TRAINING
-        self._run.interrupt_requested = False
         try:
-            with ProgressLine(self.cfg.trainer.max_steps, self._progress) as line, \
-                    interrupts_between_batches(self._request_interrupt):
+            with ProgressLine(self.cfg.trainer.max_steps, self._progress) as line:
                 done = self._run.train(line, until=target)
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)
@@ -175,9 +172,6 @@ class Run:
             raise
         self.status = RunStatus.TRAINED if done else RunStatus.PAUSED
         return self.metrics()
-
-    def _request_interrupt(self) -> None:
-        self._run.interrupt_requested = True
 
     def update_env(self, env_task: str, env: dict) -> None:
         """Replace an env task's environment (a ``_component_`` spec) for the trajectories
