@@ -159,6 +159,7 @@ class RolloutDriver:
     def flush(self) -> list[Future]:
         """Submit every ready turn, as cohorts of trajectories that share their workers; the
         futures (one env_step per cohort) are what to wait on."""
+        self._release_barrier()  # the one place: whatever ended or dropped since counts
         ready, self._ready = self._ready, []
         groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]] = {}
         for rec in ready:
@@ -279,7 +280,6 @@ class RolloutDriver:
                 self.turns.record(rec, res, cohort, now, [leg for leg, _stage in timing.legs])
                 self.placer.turn_done(rec.env_task.name, res, rec.last_shape, rec.turn == 0)
                 self._member_stepped(rec, res, out)
-        self._release_barrier()
         return out
 
     def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
@@ -310,10 +310,9 @@ class RolloutDriver:
 
     def _release_barrier(self) -> None:
         """Batch-level environment handling (a baseline): the held turns go on together once
-        no training trajectory has a turn in flight."""
-        resumed = [rec for members in self._resumes.values() for rec, _ in members]
-        if self._held and not any(not self.live[t].evaluation for c in self._cohorts.values()
-                                  for t in c.traj_ids) and all(r.evaluation for r in resumed):
+        every live training trajectory is held, none with a turn in flight, continuing, or
+        still to submit (a restart from its first turn, a turn waiting for a pool's worker)."""
+        if self._held and len(self._held) == sum(not r.evaluation for r in self.live.values()):
             self._ready.extend(self._held)
             self._held = []
 
