@@ -137,15 +137,26 @@ class EventLoop:
             # the cancelled gather to finish, and on Python 3.11 a cancellation can be lost
             # inside it (a nested wait_for, python/cpython#86296): a run that lost a worker was
             # held for good that way.
+            # errors="skip": a future that failed or was cancelled meanwhile comes back as None
+            # (lost, below). With "raise", a gather given up on here leaves Dask's per-future
+            # waits behind, and each raises AllExit once its future is cancelled, which asyncio
+            # then logs as "Task exception was never retrieved" (an ERROR and a traceback in a
+            # run that handled the loss).
             gather = asyncio.run_coroutine_threadsafe(
-                self.client.gather(done, direct=True, asynchronous=True),
+                self.client.gather(done, direct=True, asynchronous=True, errors="skip"),
                 self.client.loop.asyncio_loop)
             try:
                 results = gather.result(timeout=GATHER_TIMEOUT_S)
             except BaseException:
                 gather.cancel()  # asks the loop to stop it; never waits for that
                 raise
-            return dict(zip((f.key for f in done), results, strict=True))
+            out = {}
+            for f, result in zip(done, results, strict=True):
+                if result is not None or f.status == "finished":
+                    out[f.key] = result
+                else:  # its handler sees no result: lost
+                    logger.warning("result of %s lost (%s)", f.key, f.status)
+            return out
         except Exception:  # a result was lost in between (worker died): fetch one by one
             out = {}
             deadline = time.monotonic() + GATHER_TIMEOUT_S
