@@ -46,3 +46,16 @@ def placement_snapshot(dask_scheduler=None) -> dict[str, dict[str, int]]:
     """For ``client.run_on_scheduler``."""
     plugin = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
     return plugin.snapshot() if plugin is not None else {}
+
+
+def _drop_recorder(dask_scheduler=None) -> bool:
+    """For ``client.run_on_scheduler``: remove an earlier run's recorder, if there is one."""
+    return dask_scheduler.plugins.pop(PLACEMENT_PLUGIN, None) is not None
+
+
+def install_recorder(client, stream: bool = False) -> None:
+    """Give the cluster a fresh recorder for a run. A recorder an earlier run left on the same
+    cluster (a notebook's second run, a long-lived ``dask scheduler``) is removed first: its
+    counts are that run's, and registering over it makes Dask warn that it overwrites."""
+    client.run_on_scheduler(_drop_recorder)
+    client.register_plugin(PlacementRecorder(stream=stream))

@@ -48,7 +48,7 @@ from flows.training.weights import WeightLoads
 from flows.training.worker_changes import WorkerChanges
 from resources.cluster import ClusterHandle
 from resources.membership import MembershipWatch
-from resources.placement import PlacementRecorder
+from resources.placement import install_recorder
 from resources.pools import Tag
 from tasks.records import Trajectory
 from tasks.stages import Stages
@@ -143,7 +143,7 @@ class TrainingRun:
         """Install the worker state, resume if asked, and load the trainer's weights
         everywhere (version-stamped) before the first rollout."""
         cfg = self.cfg
-        self.client.register_plugin(PlacementRecorder(stream=cfg.metrics.task_stream))
+        install_recorder(self.client, stream=cfg.metrics.task_stream)
         plugin = worker_plugin(cfg, self.reward_cfg)
         self.client.register_plugin(plugin)
         if cfg.trainer.resume_from:

@@ -50,7 +50,7 @@ from resources.cluster import ClusterHandle, start_local_cluster
 from resources.device_model import DeviceModel
 from resources.hardware import PoolRouter
 from resources.membership import Change, MembershipWatch, WorkerChange
-from resources.placement import PlacementRecorder, placement_snapshot
+from resources.placement import install_recorder, placement_snapshot
 from resources.pools import Stage, Tag, submit_on
 from resources.worker import with_backend, worker_report
 from tasks.records import WeightsSnapshot
@@ -277,7 +277,7 @@ class RolloutShards:
         if not self.further:
             return {}
         for s in self.further:
-            s.cluster.client.register_plugin(PlacementRecorder())
+            install_recorder(s.cluster.client)
             s.cluster.client.register_plugin(worker_plugin)
         return {w: f.result(timeout=timeout)
                 for _, loads in self.load_weights(snapshot.result(timeout=timeout))

@@ -10,6 +10,7 @@ import logging
 import operator
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from flows.config import load_config
 from flows.training import events
 from flows.training.events import EventLoop, FutureKind
 from flows.training.lifecycle import TrajState
+from resources.placement import install_recorder, placement_snapshot
 from tasks.env_steps import env_step
 from tasks.stages import Stages
 from tasks.trainer import train_step
@@ -182,3 +184,19 @@ def test_a_gather_given_up_on_leaves_no_error_behind_when_its_futures_are_cancel
             gc.collect()  # asyncio logs an unretrieved exception when its task is collected
             time.sleep(0.2)
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_later_run_on_the_same_cluster_gets_a_fresh_placement_recorder_without_a_warning(
+        client):
+    """Each run installs the recorder of where its tasks ran; a second run on one cluster (a
+    notebook's, a long-lived ``dask scheduler``'s) replaced the first's with Dask's UserWarning
+    "already contains a plugin ... overwriting". The earlier one is now removed first."""
+    install_recorder(client)
+    client.submit(sum, [1, 2], pure=False, key=f"prefill-{time.monotonic_ns()}").result(30)
+    [worker] = client.scheduler_info()["workers"]
+    assert client.run_on_scheduler(placement_snapshot) == {"prefill": {worker: 1}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        install_recorder(client, stream=True)
+    assert not [w for w in caught if "plugin" in str(w.message)]
+    assert client.run_on_scheduler(placement_snapshot) == {}  # the new run's counts only
