@@ -138,12 +138,14 @@ class EventLoop:
             # inside it (a nested wait_for, python/cpython#86296): a run that lost a worker was
             # held for good that way.
             # errors="skip": a future that failed or was cancelled meanwhile comes back as None
-            # (lost, below). With "raise", a gather given up on here leaves Dask's per-future
-            # waits behind, and each raises AllExit once its future is cancelled, which asyncio
-            # then logs as "Task exception was never retrieved" (an ERROR and a traceback in a
-            # run that handled the loss).
+            # (lost, below), in its place in the dict (from a list Dask leaves it out). With
+            # "raise", a gather given up on here leaves Dask's per-future waits behind, and each
+            # raises AllExit once its future is cancelled, which asyncio then logs as "Task
+            # exception was never retrieved" (an ERROR and a traceback in a run that handled
+            # the loss).
             gather = asyncio.run_coroutine_threadsafe(
-                self.client.gather(done, direct=True, asynchronous=True, errors="skip"),
+                self.client.gather({f.key: f for f in done}, direct=True, asynchronous=True,
+                                   errors="skip"),
                 self.client.loop.asyncio_loop)
             try:
                 results = gather.result(timeout=GATHER_TIMEOUT_S)
@@ -151,8 +153,8 @@ class EventLoop:
                 gather.cancel()  # asks the loop to stop it; never waits for that
                 raise
             out = {}
-            for f, result in zip(done, results, strict=True):
-                if result is not None or f.status == "finished":
+            for f in done:
+                if (result := results[f.key]) is not None or f.status == "finished":
                     out[f.key] = result
                 else:  # its handler sees no result: lost
                     logger.warning("result of %s lost (%s)", f.key, f.status)

@@ -186,6 +186,40 @@ def test_a_gather_given_up_on_leaves_no_error_behind_when_its_futures_are_cancel
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+def test_a_result_lost_during_the_gather_leaves_the_batch_s_other_results_gathered_once(
+        client, monkeypatch, caplog):
+    """A future that finished, then was lost while the batch was being gathered (cancelled
+    here, as when its worker dies), comes back without a result, logged with its state; the
+    rest of the batch keeps the results of that one gather. Gathered as a list, Dask leaves a
+    skipped future out, so the results no longer lined up with the batch and every future of
+    it was fetched again, one by one."""
+    loop = EventLoop(client)
+    futs = [loop.track(client.submit(operator.add, i, 1, pure=False), FutureKind.TURN)
+            for i in range(4)]
+    client.gather(futs)
+    victim, real_gather = futs[2], client.gather
+
+    def gather_after_a_loss(futures, **kwargs):
+        client.cancel([victim])
+        return real_gather(futures, **kwargs)
+
+    fetched_one_by_one = []
+    real_result = type(victim).result
+
+    def result(self, *args, **kwargs):
+        fetched_one_by_one.append(self.key)
+        return real_result(self, *args, **kwargs)
+
+    monkeypatch.setattr(client, "gather", gather_after_a_loss)
+    monkeypatch.setattr(type(victim), "result", result)
+    with caplog.at_level(logging.WARNING, logger=events.__name__):
+        batch = loop.next_batch(wake=lambda: False)
+    assert {e.future.key: e.result for e in batch} == {
+        f.key: (None if f is victim else i + 1) for i, f in enumerate(futs)}
+    assert not fetched_one_by_one
+    assert [r.getMessage() for r in caplog.records] == [f"result of {victim.key} lost (cancelled)"]
+
+
 def test_a_later_run_on_the_same_cluster_gets_a_fresh_placement_recorder_without_a_warning(
         client):
     """Each run installs the recorder of where its tasks ran; a second run on one cluster (a
