@@ -31,7 +31,6 @@ import argparse
 import json
 import logging
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flows.benchmarks.backends import TARGET, WINDOW, spread, steps_to_target
+from flows.benchmarks.cpu import cores_busy, run_sampling_cpu
 from flows.config import TrainConfig, load_config, reward_callables
 from flows.config.derived import batch_trajectories, reward_name
 from flows.monitoring.metrics import by_env
@@ -304,7 +304,8 @@ def run_figures(rows: list[dict]) -> dict:
 def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: list[str],
                threads: int = 1) -> dict:
     """One run in a fresh process (``flows/train.py`` or this module), its figures read from
-    the metric rows it wrote."""
+    the metric rows it wrote, with the cores its processes kept busy (:func:`cores_busy`) and
+    so the core-seconds a step took."""
     common = [f"seed={seed}", f"trainer.max_steps={steps}", *overrides]
     if system == "rollarc":
         cmd = [sys.executable, "flows/train.py", "--run-dir", str(run_dir), *common,
@@ -313,9 +314,13 @@ def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: lis
         cmd = [sys.executable, "-m", "flows.benchmarks.trl_baseline", "--out", str(run_dir),
                "--steps", str(steps), "--seed", str(seed), "--threads", str(threads), *overrides]
     logger.info("%s seed %d: %s", system, seed, " ".join(cmd))
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    cores = cores_busy(run_sampling_cpu(cmd, cwd=ROOT))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_figures(rows) | {"system": system, "seed": seed, "run_dir": str(run_dir)}
+    figures = run_figures(rows)
+    # over the whole run, where cores_busy is its middle: an estimate, labelled so
+    core_s = cores * figures["s_per_step"] if cores is not None and figures["s_per_step"] else None
+    return figures | {"system": system, "seed": seed, "run_dir": str(run_dir),
+                      "cores_busy": cores, "core_s_per_step": core_s}
 
 
 def compare_report(runs: list[dict], console) -> dict:
@@ -325,26 +330,31 @@ def compare_report(runs: list[dict], console) -> dict:
     by = {s: [r for r in runs if r["system"] == s] for s in systems}
     table = Table(title=escape(f"RollArc default vs TRL GRPOTrainer (median [min, max] over "
                                f"seeds); target: FrozenLake {TARGET} over {WINDOW} steps"))
-    for col in ("system", "s/step", "step to target", "s to target", "reached"):
+    for col in ("system", "s/step", "step to target", "s to target", "reached", "cores busy",
+                "core-s/step (cores busy x s/step)"):
         table.add_column(col)
     out: dict = {"runs": runs, "systems": {}, "ratios": {}}
     for s, rs in by.items():
         def vals(key, rs=rs):
-            return [r[key] for r in rs if r[key] is not None]
+            return [r[key] for r in rs if r.get(key) is not None]
 
         row = {"s_per_step": spread(vals("s_per_step")),
                "step_to_target": spread(vals("step_to_target")),
                "s_to_target": spread(vals("s_to_target")),
-               "reached": f"{len(vals('step_to_target'))}/{len(rs)}"}
+               "reached": f"{len(vals('step_to_target'))}/{len(rs)}",
+               "cores_busy": spread(vals("cores_busy")),
+               "core_s_per_step": spread(vals("core_s_per_step"))}
         out["systems"][s] = row
         table.add_row(s, *row.values())
     console.print(table)
-    for key in ("s_per_step", "s_to_target"):
+    for key in ("s_per_step", "s_to_target", "core_s_per_step"):
         ratios = [a[key] / b[key] for a in by["rollarc"] for b in by["trl"]
-                  if a["seed"] == b["seed"] and a[key] is not None and b[key]]
+                  if a["seed"] == b["seed"] and a.get(key) is not None and b.get(key)]
         if not ratios:
             continue
-        verdict = ("rollarc faster" if max(ratios) < 1 else "rollarc slower" if min(ratios) > 1
+        below, above = (("rollarc uses less", "rollarc uses more") if key == "core_s_per_step"
+                        else ("rollarc faster", "rollarc slower"))
+        verdict = (below if max(ratios) < 1 else above if min(ratios) > 1
                    else "no difference beyond the spread")
         out["ratios"][key] = {"median": median(ratios), "min": min(ratios), "max": max(ratios),
                               "seeds": len(ratios), "verdict": verdict}
