@@ -20,17 +20,22 @@ def run_sampling_cpu(cmd: list[str], cwd: Path | None = None) -> list[tuple[floa
     that its whole process tree has used so far: ``(monotonic time, CPU seconds)`` pairs. A
     process that ends keeps the CPU time it was last seen with."""
     proc = subprocess.Popen(cmd, cwd=cwd)
-    root = psutil.Process(proc.pid)
     used: dict[tuple[int, float], float] = {}  # (pid, start time) -> CPU seconds
     samples = []
-    while proc.poll() is None:
-        with contextlib.suppress(psutil.Error):
-            for p in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    used[(p.pid, p.create_time())] = t.user + t.system
-        samples.append((time.monotonic(), sum(used.values())))
-        time.sleep(CPU_POLL_S)
+    try:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for p in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        t = p.cpu_times()
+                        used[(p.pid, p.create_time())] = t.user + t.system
+            samples.append((time.monotonic(), sum(used.values())))
+            time.sleep(CPU_POLL_S)
+    finally:  # interrupted: the run goes with it
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return samples

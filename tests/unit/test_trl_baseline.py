@@ -123,4 +123,3 @@ def test_comparison_calls_a_gain_only_when_every_seed_agrees():
                                run("rollarc", 1, 3.0), run("trl", 1, 2.0)], console)
     assert mixed["ratios"]["s_per_step"]["verdict"] == "no difference beyond the spread"
     assert "s_to_target" not in mixed["ratios"]
-
