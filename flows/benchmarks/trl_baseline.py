@@ -34,15 +34,10 @@ import random
 import sys
 import time
 from pathlib import Path
-from statistics import median
 
 import torch
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
-from flows.benchmarks.backends import TARGET, WINDOW, spread, steps_to_target
-from flows.benchmarks.cpu import cores_busy, run_sampling_cpu
+from flows.benchmarks.trl_compare import compare, run_figures
 from flows.config import TrainConfig, load_config, reward_callables
 from flows.config.derived import batch_trajectories, reward_name
 from flows.monitoring.metrics import by_env
@@ -55,8 +50,6 @@ from tasks.reward_service import SCHEMA_VERSION, handle
 
 logger = logging.getLogger(__name__)
 
-SUCCESS_KEY = "env/frozenlake/success"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- what TRL is given --------------------------------------------------------------------------
@@ -281,94 +274,6 @@ def run_baseline(cfg: TrainConfig, out_dir: Path, threads: int = 1) -> dict:
                                    "trl_version": trl.__version__}
     (out_dir / "trl_baseline.json").write_text(json.dumps(figures, indent=2))
     return figures
-
-
-def run_figures(rows: list[dict]) -> dict:
-    """A run's figures from its metric rows (RollArc's or TRL's): per-step wall times, seconds
-    per step over the run, and the step and elapsed seconds at which FrozenLake's success,
-    averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
-    train = [r for r in rows if "train/step" in r]
-    elapsed = [float(r["perf/elapsed_s"]) for r in train]
-    step_s = [b - a for a, b in zip([0.0, *elapsed], elapsed, strict=False)]
-    reached = steps_to_target(rows, SUCCESS_KEY)
-    return {"steps": len(train), "elapsed_s": elapsed[-1] if elapsed else 0.0,
-            "s_per_step": elapsed[-1] / len(train) if train else None,
-            "step_s_median": median(step_s) if step_s else None, "step_s": step_s,
-            "step_to_target": reached[0] if reached else None,
-            "s_to_target": reached[1] if reached else None}
-
-
-# -- RollArc and TRL back to back ----------------------------------------------------------------
-
-
-def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: list[str],
-               threads: int = 1) -> dict:
-    """One run in a fresh process (``flows/train.py`` or this module), its figures read from
-    the metric rows it wrote, with the cores its processes kept busy (:func:`cores_busy`) and
-    so the core-seconds a step took."""
-    common = [f"seed={seed}", f"trainer.max_steps={steps}", *overrides]
-    if system == "rollarc":
-        cmd = [sys.executable, "flows/train.py", "--run-dir", str(run_dir), *common,
-               "metrics.progress=false", "cluster.dashboard_port=0"]
-    else:
-        cmd = [sys.executable, "-m", "flows.benchmarks.trl_baseline", "--out", str(run_dir),
-               "--steps", str(steps), "--seed", str(seed), "--threads", str(threads), *overrides]
-    logger.info("%s seed %d: %s", system, seed, " ".join(cmd))
-    cores = cores_busy(run_sampling_cpu(cmd, cwd=ROOT))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    figures = run_figures(rows)
-    # over the whole run, where cores_busy is its middle: an estimate, labelled so
-    core_s = cores * figures["s_per_step"] if cores is not None and figures["s_per_step"] else None
-    return figures | {"system": system, "seed": seed, "run_dir": str(run_dir),
-                      "cores_busy": cores, "core_s_per_step": core_s}
-
-
-def compare_report(runs: list[dict], console) -> dict:
-    """Per system over seeds: s/step and steps and seconds to the target, median [min, max];
-    RollArc over TRL per seed, a gain only when every seed agrees."""
-    systems = ["rollarc", "trl"]
-    by = {s: [r for r in runs if r["system"] == s] for s in systems}
-    table = Table(title=escape(f"RollArc default vs TRL GRPOTrainer (median [min, max] over "
-                               f"seeds); target: FrozenLake {TARGET} over {WINDOW} steps"))
-    for col in ("system", "s/step", "step to target", "s to target", "reached", "cores busy",
-                "core-s/step (cores busy x s/step)"):
-        table.add_column(col)
-    out: dict = {"runs": runs, "systems": {}, "ratios": {}}
-    for s, rs in by.items():
-        def vals(key, rs=rs):
-            return [r[key] for r in rs if r.get(key) is not None]
-
-        row = {"s_per_step": spread(vals("s_per_step")),
-               "step_to_target": spread(vals("step_to_target")),
-               "s_to_target": spread(vals("s_to_target")),
-               "reached": f"{len(vals('step_to_target'))}/{len(rs)}",
-               "cores_busy": spread(vals("cores_busy")),
-               "core_s_per_step": spread(vals("core_s_per_step"))}
-        out["systems"][s] = row
-        table.add_row(s, *row.values())
-    console.print(table)
-    for key in ("s_per_step", "s_to_target", "core_s_per_step"):
-        ratios = [a[key] / b[key] for a in by["rollarc"] for b in by["trl"]
-                  if a["seed"] == b["seed"] and a.get(key) is not None and b.get(key)]
-        if not ratios:
-            continue
-        below, above = (("rollarc uses less", "rollarc uses more") if key == "core_s_per_step"
-                        else ("rollarc faster", "rollarc slower"))
-        verdict = (below if max(ratios) < 1 else above if min(ratios) > 1
-                   else "no difference beyond the spread")
-        out["ratios"][key] = {"median": median(ratios), "min": min(ratios), "max": max(ratios),
-                              "seeds": len(ratios), "verdict": verdict}
-        console.print(escape(f"rollarc / trl {key}: {median(ratios):.2f}x [{min(ratios):.2f}, "
-                             f"{max(ratios):.2f}] over {len(ratios)} seeds: {verdict}"))
-    return out
-
-
-def compare(seeds: list[int], steps: int, out: Path, overrides: list[str], threads: int = 1) -> dict:
-    runs = [run_system(system, seed, steps, out / f"{system}-seed{seed}", overrides, threads)
-            for seed in seeds for system in ("rollarc", "trl")]
-    result = compare_report(runs, Console())
-    (out / "compare.json").write_text(json.dumps(result, indent=2))
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The TRL baseline (flows/benchmarks/trl_baseline.py): its multi-turn rollout encodes turns as
 RollArc does and scores them as the reward service does, a short TRL run writes RollArc's metric
-rows, and the figures and comparison read them. Skipped without the ``trl`` extra."""
+rows (the figures and the comparison that read them: tests/unit/flows/test_trl_compare.py).
+Skipped without the ``trl`` extra."""
 
 from __future__ import annotations
 
@@ -98,28 +99,3 @@ def test_a_short_trl_run_writes_rollarcs_metric_rows(tmp_path):
     assert saved == figures and saved["steps"] == 2 and len(saved["step_s"]) == 2
     assert saved["trl_version"].startswith("1.")
 
-
-def test_figures_find_the_first_three_step_mean_at_target():
-    succ = [0.5, 0.9, 0.8, 0.6, 0.9, 0.95]
-    rows = [{"train/step": i + 1, "perf/elapsed_s": 2.0 * (i + 1), tb.SUCCESS_KEY: s}
-            for i, s in enumerate(succ)]
-    f = tb.run_figures(rows)
-    assert f["step_s"] == [2.0] * 6 and f["s_per_step"] == 2.0
-    assert (f["step_to_target"], f["s_to_target"]) == (6, 12.0)  # (0.6 + 0.9 + 0.95) / 3
-    assert tb.run_figures(rows[:5])["step_to_target"] is None
-
-
-def test_comparison_calls_a_gain_only_when_every_seed_agrees():
-    def run(system, seed, s):
-        return {"system": system, "seed": seed, "s_per_step": s, "step_to_target": None,
-                "s_to_target": None}
-
-    console = SimpleNamespace(print=lambda *a, **k: None)
-    faster = tb.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
-                                run("rollarc", 1, 1.5), run("trl", 1, 2.0)], console)
-    assert faster["ratios"]["s_per_step"]["verdict"] == "rollarc faster"
-    assert faster["ratios"]["s_per_step"]["median"] == pytest.approx(0.625)
-    mixed = tb.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
-                               run("rollarc", 1, 3.0), run("trl", 1, 2.0)], console)
-    assert mixed["ratios"]["s_per_step"]["verdict"] == "no difference beyond the spread"
-    assert "s_to_target" not in mixed["ratios"]

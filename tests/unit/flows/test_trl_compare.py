@@ -1,0 +1,36 @@
+"""RollArc's default and the TRL baseline side by side (flows/benchmarks/trl_compare.py): the
+figures read from a run's metric rows, and the comparison over seeds. Needs no ``trl``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flows.benchmarks import trl_compare as tc
+
+
+def test_figures_find_the_first_three_step_mean_at_target():
+    succ = [0.5, 0.9, 0.8, 0.6, 0.9, 0.95]
+    rows = [{"train/step": i + 1, "perf/elapsed_s": 2.0 * (i + 1), tc.SUCCESS_KEY: s}
+            for i, s in enumerate(succ)]
+    f = tc.run_figures(rows)
+    assert f["step_s"] == [2.0] * 6 and f["s_per_step"] == 2.0
+    assert (f["step_to_target"], f["s_to_target"]) == (6, 12.0)  # (0.6 + 0.9 + 0.95) / 3
+    assert tc.run_figures(rows[:5])["step_to_target"] is None
+
+
+def test_comparison_calls_a_gain_only_when_every_seed_agrees():
+    def run(system, seed, s):
+        return {"system": system, "seed": seed, "s_per_step": s, "step_to_target": None,
+                "s_to_target": None}
+
+    console = SimpleNamespace(print=lambda *a, **k: None)
+    faster = tc.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
+                                run("rollarc", 1, 1.5), run("trl", 1, 2.0)], console)
+    assert faster["ratios"]["s_per_step"]["verdict"] == "rollarc faster"
+    assert faster["ratios"]["s_per_step"]["median"] == pytest.approx(0.625)
+    mixed = tc.compare_report([run("rollarc", 0, 1.0), run("trl", 0, 2.0),
+                               run("rollarc", 1, 3.0), run("trl", 1, 2.0)], console)
+    assert mixed["ratios"]["s_per_step"]["verdict"] == "no difference beyond the spread"
+    assert "s_to_target" not in mixed["ratios"]
