@@ -8,8 +8,8 @@ prediction). Two errors are reported: each system's steady time per step, and ea
 ratio to ``rollarc`` (baseline s/step over rollarc's), the figure a bench reports.
 
 A simulated run draws its turn counts and lengths from the config's seed, and one draw of a
-short run is noisy: over 5 seeds the simulated steady step of one config spans 10-20 % (long_tail
-rollarc, 6 steps: 46.8 to 57.4 s). The emulated figure being the median over a bench's repeats,
+short run is noisy: over 5 seeds the simulated steady step of one config spans 10-25 % (long_tail
+rollarc, 6 steps: 41.1 to 51.8 s). The emulated figure being the median over a bench's repeats,
 the simulated one is the median over :data:`SIM_SEEDS` seeds (the config's and the next ones),
 reported with its spread.
 """

@@ -152,14 +152,14 @@ def test_the_command_line_simulates_and_names_a_bad_key(tmp_path):
 
 def test_a_calibration_alone_simulates_a_config_with_what_a_bench_measured(tmp_path):
     """--config with --calibration: the calibration's host time per turn and per train step
-    lengthen the steps of the devices alone; without a config or benches it names what it
-    needs."""
+    lengthen the steps of the devices alone (at the calibration's own time scale, where the host
+    time is a large share of a turn); without a config or benches it names what it needs."""
     steps = {}
     for name, extra in (("plain", []),
                         ("calibrated", ["--calibration", str(DATA / "calibration-uniform-s0.json")])):
         r = subprocess.run([sys.executable, "flows/simulate.py", "--config", str(LONG_TAIL),
                             "--systems", "rollarc", "--out", str(tmp_path / name), *extra,
-                            "trainer.max_steps=3"], cwd=ROOT, capture_output=True, text=True,
+                            "trainer.max_steps=3", "engine.time_scale=0.05"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         steps[name] = json.loads((tmp_path / name / "simulate.json").read_text())["rollarc"]

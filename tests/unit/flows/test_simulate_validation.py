@@ -179,11 +179,11 @@ def test_the_stored_calibration_is_what_the_stored_run_fits():
 
 def test_held_out_runs_are_predicted_within_bounds():
     """Calibrated on uniform (seed 0), the simulator predicts the stored long_tail (seed 0) and
-    env_heavy (seed 1) runs, other workloads and seeds, without their turn counts or
-    orchestration, each the median over 5 simulator seeds. When stored: step times within 18%
-    (11% on average), ratios to rollarc within 19% (12% on average); the bounds add a margin.
-    A simulator that drifts (the device model, the flow's decisions, the calibration's model)
-    fails here."""
+    env_heavy (seed 1) benches, other workloads and seeds, without their turn counts or
+    orchestration: each system's median over its 3 repeats against the median over 5 simulator
+    seeds. When stored: step times within 22% (12% on average), ratios to rollarc within 11%
+    (8% on average); the bounds add a margin. A simulator that drifts (the device model, the
+    flow's decisions, the calibration's model) fails here."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = []
     for name in ("long_tail-s0.json", "env_heavy-s1.json"):
@@ -192,23 +192,23 @@ def test_held_out_runs_are_predicted_within_bounds():
                                                "async-monolithic", "sync-monolithic"}
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.25 and s["step_error_mean"] <= 0.15, table
-    assert s["ratio_error_max"] <= 0.25 and s["ratio_error_mean"] <= 0.17, table
+    assert s["step_error_max"] <= 0.26 and s["step_error_mean"] <= 0.15, table
+    assert s["ratio_error_max"] <= 0.15 and s["ratio_error_mean"] <= 0.11, table
 
 
 def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_bounds():
-    """Calibrated on uniform (seed 0, 6 steps, time_scale 0.05), the simulator predicts the
-    stored paper_mix bench (16 steps, 3 repeats, time_scale 0.2; its systems are RollArc's
-    pools against H20-only and H800-only inference and async-monolithic), the median over the
-    repeats. When stored: step times within 17%, ratios to rollarc within 12%; the bounds add
-    a margin."""
+    """Calibrated on uniform (seed 0, 6 steps, 3 repeats, time_scale 0.05), the simulator
+    predicts the stored paper_mix bench (16 steps, 3 repeats, time_scale 0.2; its systems are
+    RollArc's pools against H20-only and H800-only inference and async-monolithic), the median
+    over the repeats. When stored: step times within 9%, ratios to rollarc within 10%; the
+    bounds add a margin."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
     assert {r["system"] for r in records} == {"rollarc", "async-monolithic", "H20-only",
                                                "H800-only"}
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.25 and s["ratio_error_max"] <= 0.15, table
+    assert s["step_error_max"] <= 0.13 and s["ratio_error_max"] <= 0.13, table
 
 
 def test_a_calibration_at_the_bench_time_scale_predicts_another_workload_within_bounds():
