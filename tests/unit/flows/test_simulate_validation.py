@@ -200,7 +200,7 @@ def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_b
     """Calibrated on uniform (seed 0, 6 steps, 3 repeats, time_scale 0.05), the simulator
     predicts the stored paper_mix bench (16 steps, 3 repeats, time_scale 0.2; its systems are
     RollArc's pools against H20-only and H800-only inference and async-monolithic), the median
-    over the repeats. When stored: step times within 9%, ratios to rollarc within 10%; the
+    over the repeats. When stored: step times within 6%, ratios to rollarc within 7%; the
     bounds add a margin."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
@@ -208,14 +208,14 @@ def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_b
                                                "H800-only"}
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.13 and s["ratio_error_max"] <= 0.13, table
+    assert s["step_error_max"] <= 0.10 and s["ratio_error_max"] <= 0.11, table
 
 
 def test_a_calibration_at_the_bench_time_scale_predicts_another_workload_within_bounds():
     """Calibrated on the long_tail bench (6 steps, 3 repeats, time_scale 0.2; its cohort-barrier
     runs left out of the host fit), the simulator predicts the stored paper_mix bench (another
-    workload, 16 steps, the same time scale). When stored: step times within 16%, ratios to
-    rollarc within 11%; the bounds add a margin."""
+    workload, 16 steps, the same time scale). When stored: step times within 13%, ratios to
+    rollarc within 10%; the bounds add a margin."""
     bench = read_bench(DATA / "long_tail-ts0.2-s0.json")
     cal = fit(bench)
     barrier = [r for r in bench.runs if bench.config(r).rollout.cohort_barrier]
@@ -223,4 +223,4 @@ def test_a_calibration_at_the_bench_time_scale_predicts_another_workload_within_
     records = validation.predict(cal, read_bench(DATA / "paper_mix-s0.json"), devices_only=False)
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.20 and s["ratio_error_max"] <= 0.14, table
+    assert s["step_error_max"] <= 0.17 and s["ratio_error_max"] <= 0.13, table
