@@ -159,8 +159,8 @@ def test_a_calibration_alone_simulates_a_config_with_what_a_bench_measured(tmp_p
                         ("calibrated", ["--calibration", str(DATA / "calibration-uniform-s0.json")])):
         r = subprocess.run([sys.executable, "flows/simulate.py", "--config", str(LONG_TAIL),
                             "--systems", "rollarc", "--out", str(tmp_path / name), *extra,
-                            "trainer.max_steps=3", "engine.time_scale=0.05"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+                            "trainer.max_steps=3", "engine.time_scale=0.05"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         steps[name] = json.loads((tmp_path / name / "simulate.json").read_text())["rollarc"]
     assert steps["calibrated"]["steps"] == steps["plain"]["steps"] == 3
