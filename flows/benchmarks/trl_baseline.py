@@ -51,7 +51,6 @@ from tasks.reward_service import SCHEMA_VERSION, handle
 logger = logging.getLogger(__name__)
 
 
-
 # -- what TRL is given --------------------------------------------------------------------------
 
 

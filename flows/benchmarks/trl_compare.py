@@ -20,6 +20,7 @@ from rich.table import Table
 
 from flows.benchmarks.backends import TARGET, WINDOW, spread, steps_to_target
 from flows.benchmarks.cpu import cores_busy, run_sampling_cpu
+from flows.monitoring.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_figures(rows: list[dict]) -> dict:
-    """A run's figures from its metric rows (RollArc's or TRL's): per-step wall times, seconds
+    """A run's figures from its train steps' metric rows (RollArc's or TRL's): per-step wall times, seconds
     per step over the run, and the step and elapsed seconds at which FrozenLake's success,
     averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
     train = [r for r in rows if "train/step" in r]
@@ -40,7 +41,6 @@ def run_figures(rows: list[dict]) -> dict:
             "step_s_median": median(step_s) if step_s else None, "step_s": step_s,
             "step_to_target": reached[0] if reached else None,
             "s_to_target": reached[1] if reached else None}
-
 
 
 def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: list[str],
@@ -57,8 +57,7 @@ def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: lis
                "--steps", str(steps), "--seed", str(seed), "--threads", str(threads), *overrides]
     logger.info("%s seed %d: %s", system, seed, " ".join(cmd))
     cores = cores_busy(run_sampling_cpu(cmd, cwd=ROOT))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    figures = run_figures(rows)
+    figures = run_figures(read_metrics(run_dir))
     # over the whole run, where cores_busy is its middle: an estimate, labelled so
     core_s = cores * figures["s_per_step"] if cores is not None and figures["s_per_step"] else None
     return figures | {"system": system, "seed": seed, "run_dir": str(run_dir),
