@@ -30,6 +30,11 @@ from tasks.policy import load_policy, save_policy, torch_dtype
 from tasks.records import TrainBatch, TrainStats, WeightsSnapshot
 from tasks.specs import PolicySpec, TrainerHParams
 
+# Config keys of Hugging Face architectures whose logits are more than the output embedding's
+# linear map of the last hidden state (Gemma 2's soft-capping, Cohere's and Granite's scaling):
+# those models' log-probs are taken from their full forward.
+HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
 
 @runtime_checkable
 class Trainer(Protocol):
@@ -73,6 +78,11 @@ class PolicyTrainer:
         # current log-probs noisy, so the PPO ratio and the IS weight would be off even at
         # staleness 0, and the sampler's log-probs come from an eval-mode model too.
         self.model.eval()
+        config = getattr(model, "config", None)
+        self._plain_head = (model.get_output_embeddings() is not None
+                            and model.base_model is not model
+                            and all(getattr(config, k, None) in (None, 1, 1.0)
+                                    for k in HEAD_TRANSFORMS))
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr,
                                            weight_decay=hp.weight_decay)
         self.version = 0  # read by the lr schedule, so set before it
@@ -97,18 +107,35 @@ class PolicyTrainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob of each token given its prefix ([B, T], position 0 gets 0) and entropy.
+
+        ``mask`` ([B, T] bool): only its positions are needed (the tokens the loss reads). The
+        language-model head and the softmax over the vocabulary then run on those positions
+        alone, the others get 0: in a multi-turn trajectory most tokens are prompt and
+        environment observations, and at a real vocabulary the full ``[B, T, V]`` logits are the
+        largest tensor of the step. Models whose head does more than a linear map
+        (:data:`HEAD_TRANSFORMS`) and ``mask=None`` get every position.
 
         Rows are padded on the right, so the causal mask alone keeps every real token from
         attending to padding, and positions count from 0 as they do unpadded: no attention mask
         is passed, which lets SDPA take its causal kernel. The padded positions' values are
         never read (the loss mask is 0 there)."""
+        keep = None if mask is None or not self._plain_head else mask[:, 1:]
         with self._autocast():
-            logits = self.model(input_ids=ids, use_cache=False).logits
-        logp_all = torch.log_softmax(logits.float()[:, :-1] / self.hp.temperature, dim=-1)
-        tok = torch.gather(logp_all, 2, ids[:, 1:, None]).squeeze(-1)
+            if keep is None:
+                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]
+            else:
+                hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                logits = self.model.get_output_embeddings()(hidden[:, :-1][keep])  # [N, V]
+        logp_all = torch.log_softmax(logits.float() / self.hp.temperature, dim=-1)
+        targets = ids[:, 1:] if keep is None else ids[:, 1:][keep]
+        tok = torch.gather(logp_all, -1, targets[..., None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1)
+        if keep is not None:  # back to [B, T - 1], row-major like the boolean index
+            tok = tok.new_zeros(keep.shape).masked_scatter(keep, tok)
+            ent = ent.new_zeros(keep.shape).masked_scatter(keep, ent)
         pad = torch.zeros(ids.shape[0], 1, device=ids.device)
         return torch.cat([pad, tok], 1), torch.cat([pad, ent], 1)
 
@@ -129,26 +156,32 @@ class PolicyTrainer:
         lengths = torch.tensor([len(s.token_ids) for s in S])
         return (*(t.to(self.device) for t in (ids, mask, behav, adv)), lengths)
 
-    def _batched_logprobs(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """:meth:`_logprobs` of every row, without gradient, in ``hp.minibatches`` passes over
-        rows of similar length, each cut to its longest row: one pass over the whole padded
-        batch's values, at a fraction of its padding."""
+    def _batched_logprobs(self, ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor,
+                          rows: np.ndarray | None = None) -> torch.Tensor:
+        """:meth:`_logprobs` at ``mask`` of ``rows`` (default every row; the others get 0),
+        without gradient, in passes of about a minibatch's rows over rows of similar length,
+        each cut to its longest row: one pass over the rows' values, at a fraction of their
+        padding."""
         out = torch.zeros(ids.shape, device=ids.device)
-        order = torch.argsort(lengths)
-        for rows in torch.tensor_split(order, min(self.hp.minibatches, len(order))):
-            n = int(lengths[rows].max())
-            rows = rows.to(ids.device)
-            out[rows, :n] = self._logprobs(ids[rows, :n])[0]
+        rows = torch.arange(len(lengths)) if rows is None else torch.as_tensor(rows)
+        if len(rows) == 0:
+            return out
+        order = rows[torch.argsort(lengths[rows])]
+        passes = max(1, round(len(rows) * self.hp.minibatches / len(lengths)))
+        for part in torch.tensor_split(order, min(passes, len(order))):
+            n = int(lengths[part].max())
+            part = part.to(ids.device)
+            out[part, :n] = self._logprobs(ids[part, :n], mask[part, :n])[0]
         return out
 
     def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
-        """What the current weights give each sample's tokens, computed as a train step computes
-        its proximal log-probs: one float32 array per sample, position 0 gets 0. Set against
-        ``behaviour_logprobs`` it measures the mismatch between the sampler's numerics and the
-        trainer's."""
+        """What the current weights give each sample's tokens where its ``loss_mask`` is set (0
+        elsewhere), computed as a train step computes its proximal log-probs: one float32 array
+        per sample, position 0 gets 0. Set against ``behaviour_logprobs`` it measures the
+        mismatch between the sampler's numerics and the trainer's."""
         with self._lock, torch.no_grad():
-            ids, _mask, _behav, _adv, lengths = self._tensors(batch)
-            logp = self._batched_logprobs(ids, lengths).cpu().numpy()
+            ids, mask, _behav, _adv, lengths = self._tensors(batch)
+            logp = self._batched_logprobs(ids, lengths, mask).cpu().numpy()
         return [logp[i, :len(s.token_ids)].copy() for i, s in enumerate(batch.samples)]
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
@@ -160,19 +193,26 @@ class PolicyTrainer:
         if batch.policy_version != self.version:
             raise RuntimeError(f"batch built for v{batch.policy_version}, trainer at v{self.version}")
         ids, mask, behav, adv, lengths = self._tensors(batch)
-        with torch.no_grad():
-            prox = self._batched_logprobs(ids, lengths)
-        stats = []
         order = list(range(len(batch.samples)))
-        for _ in range(self.hp.ppo_epochs):
+        stats = []
+        for epoch in range(self.hp.ppo_epochs):
             self._shuffle_rng.shuffle(order)
-            for mb in np.array_split(np.array(order), self.hp.minibatches):
-                if len(mb) == 0:
-                    continue
+            minibatches = [mb for mb in np.array_split(np.array(order), self.hp.minibatches)
+                           if len(mb)]
+            if epoch == 0:
+                # The proximal policy is the weights as the step starts, which the first
+                # minibatch's own forward pass still has: only the other rows need a pass
+                # without gradient, and the first's are filled in from its pass below.
+                with torch.no_grad():
+                    rest = np.concatenate([np.zeros(0, dtype=np.int64), *minibatches[1:]])
+                    prox = self._batched_logprobs(ids, lengths, mask, rows=rest)
+            for j, mb in enumerate(minibatches):
                 n = int(lengths[mb].max())  # the minibatch cut to its longest row
                 idx = torch.from_numpy(mb).to(self.device)
                 m_mask = mask[idx, :n]
-                logp, ent = self._logprobs(ids[idx, :n])
+                logp, ent = self._logprobs(ids[idx, :n], m_mask)
+                if epoch == 0 and j == 0:
+                    prox[idx, :n] = logp.detach()
                 out = self.loss(logp, prox[idx, :n], behav[idx, :n], adv[idx], m_mask,
                                 clip_eps=self.hp.clip_eps, tis_cap=self.hp.tis_cap)
                 m = m_mask.float()

@@ -96,6 +96,34 @@ def test_log_probs_are_computed_without_dropout():
     assert stats.pg_clipfrac == 0.0
 
 
+def test_log_probs_at_the_loss_positions_are_those_of_the_full_forward():
+    trainer = policy_trainer(CPU, TrainerHParams(temperature=0.7))
+    assert trainer._plain_head
+    batch = _batch(5)
+    ids, _ = _padded(batch)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(batch.samples):
+        mask[i, :len(s.loss_mask)] = torch.as_tensor(s.loss_mask)
+    full_logp, full_ent = trainer._logprobs(ids)
+    logp, ent = trainer._logprobs(ids, mask)
+    assert logp.requires_grad and int((logp != 0).sum()) == int(mask.sum())
+    torch.testing.assert_close(logp[mask], full_logp[mask])
+    torch.testing.assert_close(ent[mask], full_ent[mask])
+    assert not logp[~mask].any() and not ent[~mask].any()
+    logp.sum().backward()  # the gradient reaches the weights through the head alone
+    assert trainer.model.get_output_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_a_head_that_transforms_its_logits_is_read_from_the_full_forward():
+    model, tok = load_policy(CPU)
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2 declares it
+    trainer = PolicyTrainer(model, tok, TrainerHParams())
+    assert not trainer._plain_head
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    mask = torch.tensor([[False, False, False, True, True]])
+    torch.testing.assert_close(trainer._logprobs(ids, mask)[0], trainer._logprobs(ids)[0])
+
+
 def _steps_equal(a, b) -> bool:
     fields = ("loss", "pg_clipfrac", "tis_mean", "kl_behaviour", "entropy", "grad_norm")
     return all(getattr(a, f) == getattr(b, f) for f in fields)
