@@ -7,7 +7,8 @@ import json
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict
-from typing import TYPE_CHECKING, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from flows.config.choices import Mode
 from flows.config.derived import is_emulated
@@ -18,13 +19,57 @@ from resources.pools import Tag
 from resources.worker import worker_report
 
 if TYPE_CHECKING:
-    from flows.training.run import TrainingRun
+    from distributed import Client
+
+    from flows.config import TrainConfig
+    from flows.training.checkpoints import Checkpointer
+    from flows.training.core import RunCore
+    from flows.training.env_scaler import EnvPoolScaler
+    from flows.training.evaluation import Evaluator
+    from flows.training.events import RunClock
+    from flows.training.reward_bursts import RewardBursts
+    from flows.training.rollout import RolloutDriver
+    from flows.training.shards import RolloutShards
+    from flows.training.train_steps import TrainSteps
+    from flows.training.trainer_handle import TrainerHandle
+    from flows.training.weights import WeightLoads
+    from flows.training.worker_changes import WorkerChanges
+    from resources.cluster import ClusterHandle
+
+class ReportedRun(Protocol):
+    """What a report reads of a run (:class:`flows.training.run.TrainingRun` has it all)."""
+
+    cfg: TrainConfig
+    client: Client
+    cluster: ClusterHandle
+    run_dir: Path
+    reward_cfg: dict
+    core: RunCore
+    clock: RunClock
+    driver: RolloutDriver
+    drivers: list[RolloutDriver]
+    shards: RolloutShards
+    rewards: RewardBursts
+    trainer: TrainerHandle
+    steps: TrainSteps
+    weights: WeightLoads
+    checkpoints: Checkpointer
+    changes: WorkerChanges
+    evaluator: Evaluator
+    scaler: EnvPoolScaler | None
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def elapsed_s(self) -> float: ...
+
 
 IN_FLIGHT_STATES = (TrajState.ADMITTED, TrajState.ROLLING_OUT, TrajState.AWAITING_SCORE,
                     TrajState.SCORING, TrajState.IN_GROUP, TrajState.TRAINING)
 
 
-def live_figures(run: TrainingRun) -> dict:
+def live_figures(run: ReportedRun) -> dict:
     """What the dashboard page shows besides the metric rows."""
     pools: Counter[str] = Counter()
     for w, n in run.driver.pool_workers.load.items():
@@ -43,7 +88,7 @@ def live_figures(run: TrainingRun) -> dict:
             "critical_path": next(iter(critical_path_steps(run, last=1)), None)}
 
 
-def critical_path_steps(run: TrainingRun, tasks: list | None = None,
+def critical_path_steps(run: ReportedRun, tasks: list | None = None,
                         last: int | None = None) -> list[dict]:
     """The last trained steps' critical paths (:mod:`flows.monitoring.critical_path`);
     ``tasks``: the run's task stream, when recorded."""
@@ -88,7 +133,7 @@ class RunSummary(TypedDict, total=False):
     status: str
 
 
-def summary(run: TrainingRun) -> RunSummary:
+def summary(run: ReportedRun) -> RunSummary:
     """The run's account at its end: trajectories, placement, rewards, faults, workers."""
     cfg, client, pool_of = run.cfg, run.client, run.cluster.worker_pool
     placement = client.run_on_scheduler(placement_snapshot)

@@ -215,7 +215,9 @@ class TrainingRun:
                 driver.tasks.prune_closing()
             self._send_live()
             if self.core.end_overdue(time.perf_counter()):
-                self._end_detail = stopping.cut_the_end(self)
+                self._end_detail = stopping.cut_the_end(
+                    self.event_loops(), self.drivers, self.cfg.rollout.end_timeout_s,
+                    self.changes.missing_pools())
                 break
         for driver in self.drivers:
             driver.tasks.wait_closing()
@@ -237,7 +239,8 @@ class TrainingRun:
 
     def abort(self, reason: DropReason = DropReason.INTERRUPTED) -> None:
         """Stop at once (an interrupt); the cluster stays usable (:func:`stopping.abort`)."""
-        stopping.abort(self, reason)
+        stopping.abort(reason, self.drivers, self.event_loops(), self.steps, self.checkpoints,
+                       self.ledger)
         self._send_live(force=True)
 
     def _send_live(self, force: bool = False) -> None:

@@ -16,7 +16,11 @@ from flows.training.events import cancel
 from flows.training.lifecycle import DropReason
 
 if TYPE_CHECKING:
-    from flows.training.run import TrainingRun
+    from flows.training.checkpoints import Checkpointer
+    from flows.training.events import EventLoop
+    from flows.training.lifecycle import TrajectoryLedger
+    from flows.training.rollout import RolloutDriver
+    from flows.training.train_steps import TrainSteps
 
 logger = logging.getLogger(__name__)
 
@@ -58,41 +62,43 @@ def interrupts_between_batches(request: Callable[[], None]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def cut_the_end(run: TrainingRun) -> str:
-    """The end's ``rollout.end_timeout_s`` is over: what is left is cancelled (its
-    trajectories dropped as ``run_ended``, their environments closed) and named in the log.
-    The drop detail of what was cut."""
-    loops = run.event_loops()
+def cut_the_end(loops: list[EventLoop], drivers: list[RolloutDriver], limit: float,
+                missing_pools: list) -> str:
+    """The end's ``rollout.end_timeout_s`` (``limit``) is over: what is left on the event
+    ``loops`` is cancelled (the ``drivers``' trajectories dropped as ``run_ended``, their
+    environments closed) and named in the log with the pools no worker serves. The drop detail
+    of what was cut."""
     kinds: Counter[str] = Counter()
     for loop in loops:
         kinds.update(loop.pending_kinds())
-    limit = run.cfg.rollout.end_timeout_s
     logger.warning("the run's end waited %g s (rollout.end_timeout_s) for %s and %d "
                    "trajectories waiting for a worker (missing pools: %s): cancelled",
-                   limit, dict(kinds) or "nothing", sum(d.waiting for d in run.drivers),
-                   [str(t) for t in run.changes.missing_pools()] or "none")
+                   limit, dict(kinds) or "nothing", sum(d.waiting for d in drivers),
+                   [str(t) for t in missing_pools] or "none")
     cancel([f for loop in loops for f in loop.pending()])
-    for driver in run.drivers:
+    for driver in drivers:
         driver.close_all()
     return f"still in flight rollout.end_timeout_s={limit:g} s after the last train step"
 
 
-def abort(run: TrainingRun, reason: DropReason) -> None:
-    """Stop at once: cancel the work in flight, close the live environment instances, drop
-    every live trajectory with ``reason``. A train step already running is let finish and
-    recorded, so that the trainer and the metrics agree on the version; so are the checkpoints
-    being written. The cluster stays usable."""
-    for driver in run.drivers:
+def abort(reason: DropReason, drivers: list[RolloutDriver], loops: list[EventLoop],
+          steps: TrainSteps, checkpoints: Checkpointer, ledger: TrajectoryLedger) -> None:
+    """Stop at once: cancel the work in flight on the event ``loops``, close the ``drivers``'
+    live environment instances, drop every live trajectory of the ``ledger`` with ``reason``.
+    A train step already running is let finish and recorded, so that the trainer and the
+    metrics agree on the version; so are the checkpoints being written. The cluster stays
+    usable."""
+    for driver in drivers:
         driver.stop(reason)
-    running = run.steps.future
-    finishing = run.checkpoints.keys() | ({running.key} if running is not None else set())
-    cancel([f for loop in run.event_loops() for f in loop.pending() if f.key not in finishing])
-    run.steps.finish(reason, TRAIN_STEP_GRACE_S)
-    run.checkpoints.land(TRAIN_STEP_GRACE_S)
-    for driver in run.drivers:
+    running = steps.future
+    finishing = checkpoints.keys() | ({running.key} if running is not None else set())
+    cancel([f for loop in loops for f in loop.pending() if f.key not in finishing])
+    steps.finish(reason, TRAIN_STEP_GRACE_S)
+    checkpoints.land(TRAIN_STEP_GRACE_S)
+    for driver in drivers:
         driver.close_all()
-    for driver in run.drivers:
+    for driver in drivers:
         driver.tasks.wait_closing(timeout=30)
     for evaluation in (False, True):
-        for tid in run.ledger.live(evaluation):
-            run.ledger.drop(tid, reason)
+        for tid in ledger.live(evaluation):
+            ledger.drop(tid, reason)

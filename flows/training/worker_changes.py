@@ -13,24 +13,71 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from flows.training import checkpoints
 from flows.training.core import RestoreTrainer
-from flows.training.rollout import RolloutDriver
+from flows.training.rollout import RolloutDriver, TurnOutcome
 from resources.membership import Change, WorkerChange
 from resources.pools import Tag
 
 if TYPE_CHECKING:
-    from flows.training.run import TrainingRun
+    from distributed import Future
+
+    from flows.config import TrainConfig
+    from flows.training.core import RunCore
+    from flows.training.env_scaler import EnvPoolScaler
+    from flows.training.events import Abandoned, Event, EventLoop
+    from flows.training.reward_bursts import RewardBursts
+    from flows.training.shards import RolloutShards
+    from flows.training.trainer_handle import TrainerHandle
+    from flows.training.weights import WeightLoads
+    from resources.cluster import ClusterHandle
+    from resources.membership import MembershipWatch
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_EVERY_S = 1.0
 
 
+class ChangingRun(Protocol):
+    """The parts of a run that workers joining and leaving change
+    (:class:`flows.training.run.TrainingRun` has them all)."""
+
+    cfg: TrainConfig
+    cluster: ClusterHandle
+    run_dir: Path
+    membership: MembershipWatch
+    core: RunCore
+    abandoned: Abandoned
+    driver: RolloutDriver
+    drivers: list[RolloutDriver]
+    shards: RolloutShards
+    rewards: RewardBursts
+    trainer: TrainerHandle
+    weights: WeightLoads
+    scaler: EnvPoolScaler | None
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def elapsed_s(self) -> float: ...
+
+    def rollout_slots(self) -> int: ...
+
+    def event_loops(self) -> list[EventLoop]: ...
+
+    def handle(self, ev: Event) -> None: ...
+
+    def trainer_futures_lost(self) -> list[Future]: ...
+
+    def on_turn_outcome(self, out: TurnOutcome) -> None: ...
+
+
 class WorkerChanges:
-    def __init__(self, run: TrainingRun):
+    def __init__(self, run: ChangingRun):
         self.run = run
         self.log: list[dict] = []  # every change: when, worker, pool, what (summary.json)
         self._next_watchdog = 0.0
