@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from flows.training.worker_changes import WorkerChanges
     from resources.cluster import ClusterHandle
 
+
 class ReportedRun(Protocol):
     """What a report reads of a run (:class:`flows.training.run.TrainingRun` has it all)."""
 

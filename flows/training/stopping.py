@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from flows.training.lifecycle import TrajectoryLedger
     from flows.training.rollout import RolloutDriver
     from flows.training.train_steps import TrainSteps
+    from resources.pools import Tag
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def interrupts_between_batches(request: Callable[[], None]) -> Iterator[None]:
 
 
 def cut_the_end(loops: list[EventLoop], drivers: list[RolloutDriver], limit: float,
-                missing_pools: list) -> str:
+                missing_pools: list[Tag]) -> str:
     """The end's ``rollout.end_timeout_s`` (``limit``) is over: what is left on the event
     ``loops`` is cancelled (the ``drivers``' trajectories dropped as ``run_ended``, their
     environments closed) and named in the log with the pools no worker serves. The drop detail
