@@ -110,7 +110,7 @@ def test_log_probs_at_the_loss_positions_are_those_of_the_full_forward():
     torch.testing.assert_close(logp[mask], full_logp[mask])
     torch.testing.assert_close(ent[mask], full_ent[mask])
     assert not logp[~mask].any() and not ent[~mask].any()
-    logp.sum().backward()  # the gradient reaches the weights through the head alone
+    logp.sum().backward()  # through the selected hidden states into the head (tied embedding)
     assert trainer.model.get_output_embeddings().weight.grad.abs().sum() > 0
 
 
