@@ -29,15 +29,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_figures(rows: list[dict]) -> dict:
-    """A run's figures from its train steps' metric rows (RollArc's or TRL's): per-step wall times, seconds
-    per step over the run, and the step and elapsed seconds at which FrozenLake's success,
-    averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
-    train = [r for r in rows if "train/step" in r]
-    elapsed = [float(r["perf/elapsed_s"]) for r in train]
+    """A run's figures from its train steps' metric rows (RollArc's or TRL's, one per step):
+    per-step wall times, seconds per step over the run, and the step and elapsed seconds at
+    which FrozenLake's success, averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
+    elapsed = [float(r["perf/elapsed_s"]) for r in rows]
     step_s = [b - a for a, b in zip([0.0, *elapsed], elapsed, strict=False)]
     reached = steps_to_target(rows, SUCCESS_KEY)
-    return {"steps": len(train), "elapsed_s": elapsed[-1] if elapsed else 0.0,
-            "s_per_step": elapsed[-1] / len(train) if train else None,
+    return {"steps": len(rows), "elapsed_s": elapsed[-1] if elapsed else 0.0,
+            "s_per_step": elapsed[-1] / len(rows) if rows else None,
             "step_s_median": median(step_s) if step_s else None, "step_s": step_s,
             "step_to_target": reached[0] if reached else None,
             "s_to_target": reached[1] if reached else None}
