@@ -125,8 +125,8 @@ def test_a_killed_worker_whose_restart_is_slow_comes_back(tmp_path):
     """SpecCluster closes the Nanny of a lost worker that has not come back within
     distributed.deploy.lost-worker-timeout (15 s by default; 1 s here, against a 4 s restart):
     its pool stays empty for good. The embedded cluster waits as long as the run would."""
-    import signal
     import time
+    from signal import SIGKILL
 
     import dask
     from distributed import Client, Nanny, SpecCluster
@@ -148,8 +148,14 @@ def test_a_killed_worker_whose_restart_is_slow_comes_back(tmp_path):
                     Client(cluster) as client:
                 client.wait_for_workers(1, timeout=60)
                 marker.write_text("4")
-                os.kill(next(iter(client.run(os.getpid).values())), signal.SIGKILL)
+                ((killed, pid),) = client.run(os.getpid).items()
+                os.kill(pid, SIGKILL)
+                # the scheduler first drops the killed worker (on a busy machine it can still list
+                # it a moment later); only a worker that registers after that has come back
                 deadline = time.monotonic() + 15
+                while killed in client.scheduler_info(n_workers=-1)["workers"]:
+                    assert time.monotonic() < deadline, "the scheduler never dropped the killed worker"
+                    time.sleep(0.1)
                 while time.monotonic() < deadline:
                     time.sleep(0.5)
                     if client.scheduler_info(n_workers=-1)["workers"]:

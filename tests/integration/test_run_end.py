@@ -197,6 +197,10 @@ def test_a_result_lost_during_the_gather_leaves_the_batch_s_other_results_gather
     futs = [loop.track(client.submit(operator.add, i, 1, pure=False), FutureKind.TURN)
             for i in range(4)]
     client.gather(futs)
+    # the loop hears of each finished future from Dask's callback thread, which may still be
+    # running after the gather: one batch of all four needs all four heard of
+    with loop.condition:
+        assert loop.condition.wait_for(lambda: len(loop._done) == len(futs), timeout=30)
     victim, real_gather = futs[2], client.gather
 
     def gather_after_a_loss(futures, **kwargs):
