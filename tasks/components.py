@@ -12,9 +12,15 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 from typing import Any
 
 COMPONENT = "_component_"
+# First imports from many threads at once (an env worker creating a cohort's environments in
+# parallel) can deadlock in CPython 3.11's per-module import locks: a run was seen stuck for good
+# with every cohort thread inside `import gymnasium`. The imports a worker does on demand (a
+# component's module, an environment's library) hold this lock, so they happen one at a time.
+IMPORT_LOCK = threading.RLock()
 
 
 def resolve(target: Any) -> Any:
@@ -28,7 +34,8 @@ def resolve(target: Any) -> Any:
     if not module_name:
         raise ImportError(f"_component_ {target!r} is not a dotted path")
     try:
-        module = importlib.import_module(module_name)
+        with IMPORT_LOCK:
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImportError(f"_component_ {target!r}: cannot import {module_name!r}: {exc}") from exc
     try:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from tasks.components import IMPORT_LOCK
+
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 _ACTION_RE = re.compile(r"^\s*(left|down|right|up)\b", re.IGNORECASE)
 _TAGGED_RE = re.compile(r"<answer>\s*(left|down|right|up)\s*</answer>", re.IGNORECASE)
@@ -76,8 +78,9 @@ class FrozenLakeText:
 
     def _make(self, map_name: str | None, seed: int | None) -> None:
         # imported here, so the reward verifier can import parse_action without gymnasium
-        import gymnasium as gym
-        from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+        with IMPORT_LOCK:
+            import gymnasium as gym
+            from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
         if map_name is None:
             desc = generate_random_map(size=self.size, p=self.p_frozen, seed=seed)

@@ -68,6 +68,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tasks.components import IMPORT_LOCK
+
 logger = logging.getLogger(__name__)
 
 EXTRA_HINT = 'pip install -e ".[gem]"'
@@ -83,19 +85,20 @@ _GEM_LOCK = threading.RLock()
 def _import_gem() -> Any:
     """``import gem`` (gem-llm), without its ``logging.basicConfig(level=INFO)`` taking over a
     root logger that has no handler yet."""
-    root = logging.getLogger()
-    guard = None
-    if not root.handlers:
-        guard = logging.NullHandler()
-        root.addHandler(guard)
-    try:
-        import gem
-    except ImportError as exc:
-        raise ImportError(
-            f"GemEnv needs the optional extra 'gem' (gem-llm): {EXTRA_HINT} ({exc})") from exc
-    finally:
-        if guard is not None:
-            root.removeHandler(guard)
+    with IMPORT_LOCK:  # an env worker creates a cohort's environments from many threads
+        root = logging.getLogger()
+        guard = None
+        if not root.handlers:
+            guard = logging.NullHandler()
+            root.addHandler(guard)
+        try:
+            import gem
+        except ImportError as exc:
+            raise ImportError(
+                f"GemEnv needs the optional extra 'gem' (gem-llm): {EXTRA_HINT} ({exc})") from exc
+        finally:
+            if guard is not None:
+                root.removeHandler(guard)
     if not callable(getattr(gem, "make", None)):
         raise ImportError(
             f"the installed 'gem' module is not gem-llm (it has no gem.make): {EXTRA_HINT}")
@@ -170,7 +173,8 @@ class GemEnv:
 
         self._np = np
         try:
-            from gem.utils.constants import LanguageGameReward
+            with IMPORT_LOCK:
+                from gem.utils.constants import LanguageGameReward
             self.format_error_reward = float(LanguageGameReward.format_error_reward)
             self.win_reward = float(LanguageGameReward.success_reward)
         except (ImportError, AttributeError, TypeError, ValueError):

@@ -150,3 +150,22 @@ def test_the_registry_refuses_a_reset_or_step_run_twice():
     with pytest.raises(ReplayedEnvWork, match="created on w before"):
         registry.create(spec, "r.1.0")
     assert (registry.live, registry.created, registry.replays_refused) == (0, 1, 2)
+
+
+def test_a_components_module_is_imported_one_thread_at_a_time(tmp_path, monkeypatch):
+    """Many cohort threads creating environments at once import on demand; those imports hold
+    tasks.components.IMPORT_LOCK (concurrent first imports can deadlock in CPython 3.11)."""
+    import threading
+
+    from tasks.components import IMPORT_LOCK, resolve
+
+    (tmp_path / "rollarc_lock_probe.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = []
+    with IMPORT_LOCK:
+        t = threading.Thread(target=lambda: got.append(resolve("rollarc_lock_probe.VALUE")))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not got  # waiting for the lock, not importing
+    t.join(30)
+    assert got == [7]
