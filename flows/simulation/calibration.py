@@ -78,6 +78,9 @@ class RunMeasures(BaseModel):
     turns_in_flight: float = Field(ge=0, description="Turns in flight when a turn was "
                                    "submitted, the mean over turns (over time without a task "
                                    "stream)")
+    turns_in_env: float = Field(default=0.0, ge=0, description="Of those, turns inside an "
+                                "environment task (waiting on it, holding no core); 0 without "
+                                "a task stream")
     train_extra_s: float = Field(ge=0, description="Real seconds per train step beyond the "
                                  "emulated trainer's (the median step)")
     hops_per_turn: float = Field(default=0.0, ge=0, description="Hand-offs between workers in "
@@ -158,6 +161,29 @@ def in_flight_at_submission(turns: list) -> float:
     return float(np.mean(np.searchsorted(subs, at, "right") - np.searchsorted(ends, at, "right")))
 
 
+def in_env_at_submission(stream: dict) -> float:
+    """Mean over turns of the turns inside an environment task (``env_reset``, ``env_step``)
+    when each was submitted: from the task stream, each turn's environment tasks are those of
+    the cohorts it went through (its key's legs). A turn waiting on its environment holds no
+    core; the host's load is the turns in flight less these."""
+    turns = stream["turns"]
+    if not turns:
+        return 0.0
+    env: dict[str, list[tuple[float, float]]] = {}
+    for key, _worker, start, stop in stream["tasks"]:
+        stage, _, suffix = key.partition("-")
+        if stage in ("env_reset", "env_step"):
+            env.setdefault(suffix, []).append((start, stop))
+    spans = [span for t in turns for leg in legs_of(t[0]) for span in env.get(leg, ())]
+    if not spans:
+        return 0.0
+    starts = np.sort([a for a, _ in spans])
+    stops = np.sort([b for _, b in spans])
+    at = np.array([t[1] for t in turns])
+    return float(np.mean(np.searchsorted(starts, at, "right")
+                         - np.searchsorted(stops, at, "right")))
+
+
 def stream_hops_and_scores(stream: dict) -> tuple[float, float | None]:
     """From a task stream (``{"tasks": [[key, worker, start, stop], ...], "turns": ...}``): the
     mean hand-offs between workers per turn, and the mean real seconds of a score task."""
@@ -194,11 +220,12 @@ def _measures(run_dir: Path, cfg: TrainConfig, rows: list[dict]) -> RunMeasures:
             env_turns[t.name] = EnvTurns(trajectories=n, mean_turns=turns / n)
     turns = summary["turns"]
     in_flight = turns["count"] * turns["wall_s_mean"] / summary["elapsed_s"]
-    hops, score = 0.0, None
+    hops, score, in_env = 0.0, None, 0.0
     stream_file = run_dir / "task_stream.json"
     if stream_file.exists():  # each turn's load: the turns in flight when it was submitted
         stream = json.loads(stream_file.read_text())
         in_flight = in_flight_at_submission(stream["turns"])
+        in_env = in_env_at_submission(stream)
         hops, score = stream_hops_and_scores(stream)
     scale = cfg.engine.time_scale
     trainer_emulated = sum((w.get("trainer") or {}).get("emulated_busy_s", 0.0)
@@ -211,7 +238,7 @@ def _measures(run_dir: Path, cfg: TrainConfig, rows: list[dict]) -> RunMeasures:
     return RunMeasures(
         env_turns=env_turns, turns=turns["count"],
         turn_outside_s=max(0.0, turns["wall_s_mean"] - turns["emulated_wait_s_mean"]),
-        turns_in_flight=in_flight, train_extra_s=extra, hops_per_turn=hops,
+        turns_in_flight=in_flight, turns_in_env=in_env, train_extra_s=extra, hops_per_turn=hops,
         score_task_s=score)
 
 
@@ -277,8 +304,8 @@ class Calibration(BaseModel):
     train_overhead_s: float = Field(ge=0, description="Real seconds per train step beyond the "
                                     "emulated trainer's")
     points: list[tuple[float, float, float]] = Field(
-        default_factory=list, description="The fitted (turns in flight, hops per turn, seconds "
-        "outside) per run")
+        default_factory=list, description="The fitted (turns in flight outside an environment, "
+        "hops per turn, seconds outside) per run")
 
     def overrides(self, cfg: TrainConfig) -> list[str]:
         """``simulate.*`` overrides predicting a run of ``cfg`` (its own time scale)."""
@@ -340,7 +367,9 @@ def fit(bench: BenchDigest) -> Calibration:
     prior = min(1.0, pooled_t / pooled_n) if pooled_n else 1.0
     # a cohort barrier holds finished members for their mates outside any emulated wait: the
     # simulator models that hold itself (rollout.cohort_barrier), so it is not host time
-    points = [(r.measures.turns_in_flight, r.measures.hops_per_turn, r.measures.turn_outside_s)
+    # the host's load: turns in flight less those waiting on their environment
+    points = [(r.measures.turns_in_flight - r.measures.turns_in_env, r.measures.hops_per_turn,
+               r.measures.turn_outside_s)
               for r in runs if r.measures.turns and not bench.config(r).rollout.cohort_barrier]
     b, c = fit_overhead(points)
     scores = [r.measures.score_task_s for r in runs if r.measures.score_task_s is not None]

@@ -49,8 +49,8 @@ class SimSettings(BaseModel):
                                    "outside its tasks (messages, transfers) beyond the queues")
     turn_overhead_per_turn_in_flight_s: float = Field(
         default=0.0, ge=0, description="Time a turn spends outside its tasks for each turn in "
-        "flight when it is submitted: orchestration sharing the host's cores (fitted by "
-        "flows/simulate.py --calibrate)")
+        "flight when it is submitted, less those waiting on their environment: orchestration "
+        "sharing the host's cores (fitted by flows/simulate.py --calibrate)")
     turn_overhead_per_hop_in_flight_s: float = Field(
         default=0.0, ge=0, description="... and for each hand-off between workers in it (env -> "
         "prefill -> decode -> env) times the turns in flight (fitted by --calibrate)")

@@ -117,6 +117,7 @@ class TurnRunner:
         self.env_latency = environments.env_latencies(cfg)
         self.generated = 0  # response tokens decoded
         self.in_flight = 0  # trajectories with a turn submitted and not yet answered
+        self.in_env = 0  # ... of those, inside an environment call (holding no core)
         rollout = cfg.rollout
         # the grace is wall seconds; the clock counts emulated ones
         self.grace_s = (None if rollout.cohort_barrier
@@ -178,11 +179,12 @@ class TurnRunner:
             self.control.tasks[stage.value] += 1
         wait = self.control.schedulers[cohort.shard].delay(len(stages))
         # the host's orchestration (driver, scheduler, messages, the tiny policy's real work):
-        # fixed, plus a share per turn in flight competing for the same cores, more with each
-        # hand-off between worker processes (flows.simulation.calibration)
+        # fixed, plus a share per turn in flight competing for the same cores (not those
+        # waiting on their environment), more with each hand-off between worker processes
+        # (flows.simulation.calibration)
         p = cohort.plan
         hops = turn_hops(cohort.env_worker, p.prefill_worker, p.decode_worker)
-        overhead = self.sim.turn_overhead_s + self.in_flight * (
+        overhead = self.sim.turn_overhead_s + (self.in_flight - self.in_env) * (
             self.sim.turn_overhead_per_turn_in_flight_s
             + self.sim.turn_overhead_per_hop_in_flight_s * hops)
         self.clock.after(wait + overhead, self._stage, cohort, first, cohort.members, collect)
@@ -269,7 +271,12 @@ class TurnRunner:
         if failed:  # the call raises after its latency; the later stages pass the member on
             t.failed = True
         seconds *= self.cluster.env_slowdown.get(t.env_worker, 1.0)
-        self.clock.after(seconds, self._member_done, t)
+        self.in_env += 1
+        self.clock.after(seconds, self._env_done, t)
+
+    def _env_done(self, t: SimTrajectory) -> None:
+        self.in_env -= 1
+        self._member_done(t)
 
     def _reset(self, cohort: SimCohort, t: SimTrajectory) -> None:
         t.env_rngs = [lat.stream(t.seed) for lat in self.env_latency[t.env_task.name]]
