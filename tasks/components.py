@@ -17,9 +17,9 @@ from typing import Any
 
 COMPONENT = "_component_"
 # First imports from many threads at once (an env worker creating a cohort's environments in
-# parallel) can deadlock in CPython 3.11's per-module import locks: a run was seen stuck for good
-# with every cohort thread inside `import gymnasium`. The imports a worker does on demand (a
-# component's module, an environment's library) hold this lock, so they happen one at a time.
+# parallel) can deadlock in CPython's import locks (on 3.11: every cohort thread waiting inside
+# `import gymnasium`, the run stuck for good). The imports a worker does on demand (a component's
+# module, an environment's library) hold this lock, so they happen one at a time.
 IMPORT_LOCK = threading.RLock()
 
 

@@ -154,7 +154,7 @@ def test_a_killed_worker_whose_restart_is_slow_comes_back(tmp_path):
                 # it a moment later); only a worker that registers after that has come back
                 deadline = time.monotonic() + 15
                 while killed in client.scheduler_info(n_workers=-1)["workers"]:
-                    assert time.monotonic() < deadline, "the scheduler never dropped the killed worker"
+                    assert time.monotonic() < deadline, "the killed worker was never dropped"
                     time.sleep(0.1)
                 while time.monotonic() < deadline:
                     time.sleep(0.5)
