@@ -148,7 +148,8 @@ def keep_restarting_lost_workers(seconds: float) -> None:
 
 MP_METHOD = "distributed.worker.multiprocessing-method"
 # what a worker process imports before it can run a task: torch, transformers and the engine
-# (several seconds of CPU each time, on top of Dask's own list)
+# (several seconds of CPU each time); it replaces Dask's own preload list (distributed and the
+# optional packages Dask finds)
 WORKER_IMPORTS = ["distributed", "resources.worker"]
 
 

@@ -150,15 +150,22 @@ def config_diff(base: Any, other: Any, prefix: str = "") -> list[str]:
     return [] if base == other else [f"{prefix[:-1]}={json.dumps(other)}"]
 
 
+def _mean_open_at(spans: list[tuple[float, float]], at: list[float]) -> float:
+    """Mean over the moments ``at`` of the spans ``(start, end)`` begun and not yet ended at
+    each (a span beginning at that moment counted, one ending then not)."""
+    if not spans or not at:
+        return 0.0
+    starts = np.sort([a for a, _ in spans])
+    ends = np.sort([b for _, b in spans])
+    moments = np.asarray(at, float)
+    return float(np.mean(np.searchsorted(starts, moments, "right")
+                         - np.searchsorted(ends, moments, "right")))
+
+
 def in_flight_at_submission(turns: list) -> float:
     """Mean over turns of the turns in flight when each was submitted (itself and those
     submitted with it included), from the task stream's ``[key, submitted, answered, ...]``."""
-    if not turns:
-        return 0.0
-    subs = np.sort([t[1] for t in turns])
-    ends = np.sort([t[2] for t in turns])
-    at = np.array([t[1] for t in turns])
-    return float(np.mean(np.searchsorted(subs, at, "right") - np.searchsorted(ends, at, "right")))
+    return _mean_open_at([(t[1], t[2]) for t in turns], [t[1] for t in turns])
 
 
 def in_env_at_submission(stream: dict) -> float:
@@ -166,22 +173,14 @@ def in_env_at_submission(stream: dict) -> float:
     when each was submitted: from the task stream, each turn's environment tasks are those of
     the cohorts it went through (its key's legs). A turn waiting on its environment holds no
     core; the host's load is the turns in flight less these."""
-    turns = stream["turns"]
-    if not turns:
-        return 0.0
     env: dict[str, list[tuple[float, float]]] = {}
     for key, _worker, start, stop in stream["tasks"]:
         stage, _, suffix = key.partition("-")
         if stage in ("env_reset", "env_step"):
             env.setdefault(suffix, []).append((start, stop))
+    turns = stream["turns"]
     spans = [span for t in turns for leg in legs_of(t[0]) for span in env.get(leg, ())]
-    if not spans:
-        return 0.0
-    starts = np.sort([a for a, _ in spans])
-    stops = np.sort([b for _, b in spans])
-    at = np.array([t[1] for t in turns])
-    return float(np.mean(np.searchsorted(starts, at, "right")
-                         - np.searchsorted(stops, at, "right")))
+    return _mean_open_at(spans, [t[1] for t in turns])
 
 
 def stream_hops_and_scores(stream: dict) -> tuple[float, float | None]:
