@@ -6,6 +6,13 @@ runs, then waits the device-model time of a training step over the batch's virtu
 ``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
 (:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
 broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
+
+The real step runs inside the device time, not before it: the step sleeps what is left of the
+scaled device time once the real step is done. The tiny policy's step on the CPU is emulation,
+not work the production trainer does; added to the device time, it would lengthen every
+emulated step by its CPU seconds divided by ``time_scale`` (0.3-2 s of CPU on 2 cores is 1.5-10
+emulated seconds at ``time_scale`` 0.2). A step whose real work outlasts its device time takes
+the real time (``train/seconds`` says so).
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ class EmulatedTrainer:
         time.sleep(seconds * self.time_scale)
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
+        t0 = time.perf_counter()
         stats = self.inner.train_step(batch)
         seconds = self.step_seconds(batch)
-        self._spend(seconds)
-        stats.seconds += seconds * self.time_scale
+        self.busy_s += seconds
+        time.sleep(max(0.0, seconds * self.time_scale - (time.perf_counter() - t0)))
+        stats.seconds = time.perf_counter() - t0
         return stats
 
     def export_weights(self):

@@ -204,3 +204,51 @@ def test_the_emulated_trainer_spends_more_with_more_ppo_epochs():
         t.train_step(batch)
     assert three.busy_s > 2 * one.busy_s
     assert one.busy_s == pytest.approx(one.device.train_step_time([8, 11, 9, 12], 1, 2))
+
+
+class _Clock:
+    """A fake ``time`` for the emulated trainer: the real step takes ``real`` seconds of it,
+    ``sleep`` advances it."""
+
+    def __init__(self, real: float):
+        self.now, self.real, self.slept = 0.0, real, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_emulated_trainers_real_step_runs_inside_its_device_time(monkeypatch):
+    """The tiny policy's CPU step is emulation overhead: a step sleeps what is left of its
+    scaled device time after the real step, and takes the real time when that is longer."""
+    inner = instantiate({"_component_": "tasks.trainer.policy_trainer"},
+                        policy=PolicySpec(device="cpu"), hparams={"minibatches": 2}, seed=0,
+                        loss=None)
+    clock = _Clock(real=0.5)
+    real_step = inner.train_step
+
+    def timed_step(batch):  # the real step, taking 0.5 s of the fake clock
+        stats = real_step(batch)
+        clock.now += clock.real
+        return stats
+
+    monkeypatch.setattr(inner, "train_step", timed_step)
+    monkeypatch.setattr("resources.emulated_trainer.time", clock)
+    rng = np.random.default_rng(0)
+    samples = [TrainSample(rng.integers(1, 60, t), np.arange(t) >= t // 2,
+                           np.full(t, -4.0, np.float32), float(rng.normal()))
+               for t in (8, 11, 9, 12)]
+    trainer = EmulatedTrainer(inner, DeviceModel(model_spec("dense-8b"), H800, 8), 1.0,
+                              minibatches=2)
+    device_s = trainer.step_seconds(TrainBatch(samples, 0))
+    trainer.time_scale = 2.0 / device_s  # the device time: 2 s of the clock
+    stats = trainer.train_step(TrainBatch(samples, 0))
+    assert clock.slept == [pytest.approx(1.5)] and stats.seconds == pytest.approx(2.0)
+    assert trainer.busy_s == pytest.approx(device_s)  # unscaled device seconds, as before
+    trainer.time_scale = 0.2 / device_s  # shorter than the real step: no sleep, the real time
+    stats = trainer.train_step(TrainBatch(samples, 1))
+    assert clock.slept[-1] == 0.0 and stats.seconds == pytest.approx(0.5)
+    assert stats.policy_version == 2  # both steps trained for real
