@@ -1,7 +1,7 @@
 """The emulated trainer: real training steps on a production trainer pool's clock.
 
 :class:`EmulatedTrainer` wraps the real trainer (the tokens and gradients are real): each step
-runs, then waits the device-model time of a training step over the batch's virtual tokens
+takes the device-model time of a training step over the batch's virtual tokens
 (:func:`resources.emulated.sequence_lengths`) on the trainer pool's GPUs, with the trainer's
 ``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
 (:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
@@ -26,7 +26,7 @@ from tasks.records import TrainBatch, TrainStats
 
 class EmulatedTrainer:
     """A :class:`tasks.trainer.Trainer` whose steps and weight exports take device-model time
-    on the trainer pool's GPUs (real steps run first: the tokens and gradients are real)."""
+    on the trainer pool's GPUs (real steps run within it: the tokens and gradients are real)."""
 
     def __init__(self, inner, device: DeviceModel, time_scale: float = 1.0, ppo_epochs: int = 1,
                  minibatches: int = 1):

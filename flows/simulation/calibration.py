@@ -229,8 +229,9 @@ def _measures(run_dir: Path, cfg: TrainConfig, rows: list[dict]) -> RunMeasures:
     scale = cfg.engine.time_scale
     trainer_emulated = sum((w.get("trainer") or {}).get("emulated_busy_s", 0.0)
                            for w in summary["workers"].values())
-    # train/seconds holds the real step and the scaled emulated wait; the steps' median (the
-    # last one holds the run's end)
+    # train/seconds holds the step's wall time: its scaled device time, or the real step where
+    # that is longer (before the emulated trainer ran its real step within the device time, the
+    # two added up); the steps' median (the last one holds the run's end)
     emulated_step = trainer_emulated * scale / max(len(rows), 1)
     seconds = [r.get("train/seconds", 0.0) for r in rows]
     extra = max(0.0, median(seconds[:-1] if len(seconds) > 2 else seconds) - emulated_step)
