@@ -7,8 +7,8 @@ takes the device-model time of a training step over the batch's virtual tokens
 (:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
 broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
 
-The real step runs inside the device time, not before it: the step sleeps what is left of the
-scaled device time once the real step is done. The tiny policy's step on the CPU is emulation,
+The real step (and the real export) runs inside the device time, not before it: each sleeps
+what is left of the scaled device time once the real work is done. The tiny policy's step on the CPU is emulation,
 not work the production trainer does; added to the device time, it would lengthen every
 emulated step by its CPU seconds divided by ``time_scale`` (0.3-2 s of CPU on 2 cores is 1.5-10
 emulated seconds at ``time_scale`` 0.2). A step whose real work outlasts its device time takes
@@ -43,22 +43,23 @@ class EmulatedTrainer:
     def version(self) -> int:
         return self.inner.version
 
-    def _spend(self, seconds: float) -> None:
+    def _spend(self, seconds: float, since: float) -> None:
+        """``seconds`` of device time for work whose real part began at ``since``
+        (``time.perf_counter``): sleep what is left of the scaled time."""
         self.busy_s += seconds
-        time.sleep(seconds * self.time_scale)
+        time.sleep(max(0.0, seconds * self.time_scale - (time.perf_counter() - since)))
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         t0 = time.perf_counter()
         stats = self.inner.train_step(batch)
-        seconds = self.step_seconds(batch)
-        self.busy_s += seconds
-        time.sleep(max(0.0, seconds * self.time_scale - (time.perf_counter() - t0)))
+        self._spend(self.step_seconds(batch), t0)
         stats.seconds = time.perf_counter() - t0
         return stats
 
     def export_weights(self):
+        t0 = time.perf_counter()
         snapshot = self.inner.export_weights()
-        self._spend(self.device.weight_broadcast_time())
+        self._spend(self.device.weight_broadcast_time(), t0)
         return snapshot
 
     def save_checkpoint(self, run_dir: str) -> str:
