@@ -8,11 +8,11 @@ takes the device-model time of a training step over the batch's virtual tokens
 broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
 
 The real step (and the real export) runs inside the device time, not before it: each sleeps
-what is left of the scaled device time once the real work is done. The tiny policy's step on the CPU is emulation,
-not work the production trainer does; added to the device time, it would lengthen every
-emulated step by its CPU seconds divided by ``time_scale`` (0.3-2 s of CPU on 2 cores is 1.5-10
-emulated seconds at ``time_scale`` 0.2). A step whose real work outlasts its device time takes
-the real time (``train/seconds`` says so).
+what is left of the scaled device time once the real work is done. The tiny policy's step on the
+CPU is emulation, not work the production trainer does; added to the device time, it would
+lengthen every emulated step by its CPU seconds divided by ``time_scale`` (0.3-2 s of CPU on 2
+cores is 1.5-10 emulated seconds at ``time_scale`` 0.2). A step whose real work outlasts its
+device time takes the real time (``train/seconds`` says so).
 """
 
 from __future__ import annotations
