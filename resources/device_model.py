@@ -33,8 +33,10 @@ measured step times: its FLOP and byte features are :meth:`DeviceModel.decode_wo
   Expert weights are counted as spread evenly over the devices;
 - a mixed step (chunked prefill plus decodes on one engine, as vLLM schedules them): both works'
   FLOPs and bytes in one step, the weights read once for all its tokens;
-- a training step (:meth:`DeviceModel.train_step_time`): the proximal log-probs' forward over the
-  batch once, then per PPO epoch a forward and backward (``3 x`` the forward's FLOPs), and an
+- a training step (:meth:`DeviceModel.train_step_time`), the passes ``tasks/trainer.py`` runs:
+  the proximal log-probs' forward over every minibatch but the first (whose own first forward
+  pass still has the step's starting weights), then per PPO epoch a forward and backward
+  (``3 x`` the forward's FLOPs), and an
   optimizer step per minibatch (AdamW in mixed precision: reading and writing fp32 weights and
   moments, about 28 bytes per parameter, ZeRO arXiv 1910.02054 §3.1, sharded over the trainer's
   devices; plus a step floor). Gradient reduction overlaps the backward pass (PyTorch DDP's
@@ -216,20 +218,23 @@ class DeviceModel:
 
     def train_step_time(self, sequences: int | list[int], ppo_epochs: int = 1,
                         minibatches: int = 1) -> float:
-        """A training step over sequences of these lengths (an int: one sequence): the
-        proximal log-probs' forward once (2 x active params per token plus causal attention
-        within each sequence), then ``ppo_epochs`` passes of forward and backward (3 x the
-        forward), compute-bound, with an optimizer step per minibatch of each pass. Every
-        forward or backward pass pays the layers' kernel floor."""
+        """A training step over sequences of these lengths (an int: one sequence), as
+        ``tasks/trainer.py`` runs it: the proximal log-probs' forward (2 x active params per
+        token plus causal attention within each sequence) over all minibatches but the first,
+        whose own first forward pass gives them, then ``ppo_epochs`` passes of forward and
+        backward (3 x the forward), compute-bound, with an optimizer step per minibatch of each
+        pass. Every forward or backward pass pays the layers' kernel floor."""
         if ppo_epochs < 1 or minibatches < 1:
             raise ValueError("ppo_epochs and minibatches are at least 1")
         m = self.model
         lengths = [sequences] if isinstance(sequences, int) else list(sequences)
         forward = 2.0 * m.params_active * sum(lengths) + sum(
             m.attention_flops(n, 0.5 * n) for n in lengths)
-        compute = forward * (1 + 3 * ppo_epochs) / (self.hw.peak_flops * self.gpus * self.mfu)
+        proximal = (minibatches - 1) / minibatches  # the share of the batch it covers
+        compute = forward * (proximal + 3 * ppo_epochs) / (
+            self.hw.peak_flops * self.gpus * self.mfu)
         updates = ppo_epochs * minibatches
-        kernels = (1 + 2 * updates) * (self.step_floor - self.hw.step_floor_s)
+        kernels = ((minibatches > 1) + 2 * updates) * (self.step_floor - self.hw.step_floor_s)
         return compute + kernels + updates * self.optimizer_step_time()
 
     # -- transfers ------------------------------------------------------------------------------
