@@ -38,8 +38,9 @@ measured step times: its FLOP and byte features are :meth:`DeviceModel.decode_wo
   pass still has the step's starting weights), then per PPO epoch a forward and backward
   (``3 x`` the forward's FLOPs), and an optimizer step per minibatch (AdamW in mixed precision:
   reading and writing fp32 weights and moments, about 28 bytes per parameter, ZeRO arXiv
-  1910.02054 §3.1, sharded over the trainer's devices; plus a step floor). Gradient reduction overlaps the backward pass (PyTorch DDP's
-  bucketing, ZeRO's overlapped reduce-scatter) and is not counted;
+  1910.02054 §3.1, sharded over the trainer's devices; plus a step floor). Gradient reduction
+  overlaps the backward pass (PyTorch DDP's bucketing, ZeRO's overlapped reduce-scatter) and is
+  not counted;
 - a weight broadcast and a KV transfer: bytes over the link between two engines at the narrower
   end's bandwidth (each end's devices times its per-device NIC, or NVLink within a node), plus
   the link's latency.
