@@ -21,11 +21,16 @@ measured step times: its FLOP and byte features are :meth:`DeviceModel.decode_wo
   the link's per-call latency; a MoE layer replaces the MLP's all-reduce by an expert-parallel
   dispatch and combine (all-to-all of each token's ``k`` expert copies, tokens spread evenly
   over the devices). Within a node over NVLink; an engine of more than 8 devices over RDMA.
-- prefill of ``n`` tokens after ``c`` cached ones: ``2 x active params x n`` FLOPs plus
-  attention over ``c + n/2`` positions on average; it reads the weights its tokens touch and the
-  ``c`` tokens' KV, and writes the ``n`` new tokens' KV;
-- one decode step of a batch: ``2 x active params`` FLOPs per sequence plus attention over its
-  context; it reads the weights and every sequence's KV. A MoE reads its shared (non-expert)
+- FLOPs count ``2 x`` the parameters a token multiplies through: the body's (the active
+  parameters less the embedding table and the language-model head) at every token, the head's
+  (``hidden x vocab``) only where logits are taken: the last token of a prefill chunk (the
+  engine samples there), every decoded token, the positions a training step's loss reads. An
+  untied input embedding table is a lookup, a row per token: no FLOPs, not read whole;
+- prefill of ``n`` tokens after ``c`` cached ones: the body's FLOPs for ``n`` tokens, the head's
+  for one, plus attention over ``c + n/2`` positions on average; it reads the weights its tokens
+  touch and the ``c`` tokens' KV, and writes the ``n`` new tokens' KV;
+- one decode step of a batch: the body's and the head's FLOPs per sequence plus attention over
+  its context; it reads the weights and every sequence's KV. A MoE reads its shared (non-expert)
   weights once per step and the routed experts its tokens touch: of ``E`` experts with ``k`` per
   token, ``E (1 - (1 - k/E)^T)`` distinct ones per layer are expected for ``T`` tokens routed
   independently and uniformly (the occupancy of ``E`` bins after ``T`` draws of ``k``; balanced
@@ -35,7 +40,8 @@ measured step times: its FLOP and byte features are :meth:`DeviceModel.decode_wo
   FLOPs and bytes in one step, the weights read once for all its tokens;
 - a training step (:meth:`DeviceModel.train_step_time`), the passes ``tasks/trainer.py`` runs:
   the proximal log-probs' forward over every minibatch but the first (whose own first forward
-  pass still has the step's starting weights), then per PPO epoch a forward and backward
+  pass still has the step's starting weights; the head at the loss's positions, as the trainer
+  takes log-probs there only), then per PPO epoch a forward and backward
   (``3 x`` the forward's FLOPs), and an optimizer step per minibatch (AdamW in mixed precision:
   reading and writing fp32 weights and moments, about 28 bytes per parameter, ZeRO arXiv
   1910.02054 §3.1, sharded over the trainer's devices; plus a step floor). Gradient reduction
@@ -140,20 +146,22 @@ class DeviceModel:
 
     def weights_read(self, tokens: float) -> float:
         """Weight bytes a step over ``tokens`` tokens reads: all of a dense model; of a MoE, the
-        shared weights once and the experts its tokens touch. A MoE spec without expert shapes
-        reads ``active`` parameters per token, at most all."""
+        shared weights once and the experts its tokens touch. An untied input embedding table
+        is read a row per token, which is left out. A MoE spec without expert shapes reads
+        ``active`` parameters per token, at most all."""
         m = self.model
         if m.moe:
             routed = m.layers * self.expected_experts(tokens) * m.expert_params
-            return (m.shared_params + routed) * m.bytes_per_param
+            return (m.shared_params - m.lookup_params + routed) * m.bytes_per_param
         if m.params_active < m.params_total:
             return min(m.params_total, m.params_active * max(tokens, 1)) * m.bytes_per_param
-        return m.weight_bytes
+        return (m.params_total - m.lookup_params) * m.bytes_per_param
 
     def _prefill_compute(self, n: int, cached: int) -> tuple[float, float]:
-        """FLOPs and KV bytes of a prefill chunk, the weights left out."""
+        """FLOPs and KV bytes of a prefill chunk, the weights left out: the head's logits at
+        its last token only (what the engine samples from)."""
         m = self.model
-        flops = 2.0 * m.params_active * n + m.attention_flops(n, cached + n / 2)
+        flops = 2.0 * (m.body_params * n + m.head_params) + m.attention_flops(n, cached + n / 2)
         return flops, m.kv_bytes_per_token * (cached + n)
 
     def _decode_compute(self, batch: int, total_context: float) -> tuple[float, float]:
@@ -161,7 +169,8 @@ class DeviceModel:
         and the sum of its contexts (what lets the simulator keep a running batch as two
         numbers)."""
         m = self.model
-        flops = 2.0 * m.params_active * batch + m.attention_flops(1, total_context)
+        flops = 2.0 * (m.body_params + m.head_params) * batch + m.attention_flops(
+            1, total_context)
         return flops, m.kv_bytes_per_token * total_context
 
     def prefill_work(self, n: int, cached: int = 0) -> tuple[float, float]:
@@ -217,18 +226,21 @@ class DeviceModel:
         return self.hw.step_floor_s + nbytes / (self.hw.mem_bandwidth * self.gpus * self.mbu)
 
     def train_step_time(self, sequences: int | list[int], ppo_epochs: int = 1,
-                        minibatches: int = 1) -> float:
+                        minibatches: int = 1, loss_tokens: int | None = None) -> float:
         """A training step over sequences of these lengths (an int: one sequence), as
-        ``tasks/trainer.py`` runs it: the proximal log-probs' forward (2 x active params per
-        token plus causal attention within each sequence) over all minibatches but the first,
-        whose own first forward pass gives them, then ``ppo_epochs`` passes of forward and
-        backward (3 x the forward), compute-bound, with an optimizer step per minibatch of each
-        pass. Every forward or backward pass pays the layers' kernel floor."""
+        ``tasks/trainer.py`` runs it: the proximal log-probs' forward (2 x the body's active
+        params per token, the head's at the ``loss_tokens`` positions the loss reads (None:
+        every position), plus causal attention within each sequence) over all minibatches but
+        the first, whose own first forward pass gives them, then ``ppo_epochs`` passes of
+        forward and backward (3 x the forward), compute-bound, with an optimizer step per
+        minibatch of each pass. Every forward or backward pass pays the layers' kernel
+        floor."""
         if ppo_epochs < 1 or minibatches < 1:
             raise ValueError("ppo_epochs and minibatches are at least 1")
         m = self.model
         lengths = [sequences] if isinstance(sequences, int) else list(sequences)
-        forward = 2.0 * m.params_active * sum(lengths) + sum(
+        logits = sum(lengths) if loss_tokens is None else loss_tokens
+        forward = 2.0 * (m.body_params * sum(lengths) + m.head_params * logits) + sum(
             m.attention_flops(n, 0.5 * n) for n in lengths)
         proximal = (minibatches - 1) / minibatches  # the share of the batch it covers
         compute = forward * (proximal + 3 * ppo_epochs) / (

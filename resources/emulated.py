@@ -155,6 +155,7 @@ class EmulatedBackend:
         self.engine.decode(prefilled.context, n, hold=key, resume=_held_key(cache))
         waited += time.perf_counter() - t0
         out.sample.virtual_tokens = prefilled.new_tokens + n
+        out.sample.virtual_response_tokens = n
         out.sample.emulated_wait_s = prefilled.waited_s + waited
         out.sample.prefill_wait_s = prefilled.waited_s - prefilled.transfer_s
         out.sample.kv_transfer_s = prefilled.transfer_s + received
@@ -213,3 +214,18 @@ def emulated_backend(policy: PolicySpec, max_batch: int, hardware: HardwareProfi
 def sequence_lengths(samples) -> list[int]:
     """Each train sample's length on emulated devices (its real length without a shape)."""
     return [s.virtual_tokens or len(s.token_ids) for s in samples]
+
+
+def loss_tokens(samples) -> int:
+    """The positions the loss reads in these train samples on emulated devices: their
+    responses' tokens (the real loss mask's without a shape)."""
+    return sum(s.virtual_response_tokens if s.virtual_tokens else int(s.loss_mask.sum())
+               for s in samples)
+
+
+def train_step_seconds(device: DeviceModel, samples, ppo_epochs: int = 1,
+                       minibatches: int = 1) -> float:
+    """The device time of a train step over these samples
+    (:meth:`DeviceModel.train_step_time` over their emulated lengths and loss positions)."""
+    return device.train_step_time(sequence_lengths(samples), ppo_epochs, minibatches,
+                                  loss_tokens(samples))

@@ -1,8 +1,8 @@
 """The emulated trainer: real training steps on a production trainer pool's clock.
 
 :class:`EmulatedTrainer` wraps the real trainer (the tokens and gradients are real): each step
-takes the device-model time of a training step over the batch's virtual tokens
-(:func:`resources.emulated.sequence_lengths`) on the trainer pool's GPUs, with the trainer's
+takes the device-model time of a training step over the batch's virtual tokens and loss
+positions (:func:`resources.emulated.train_step_seconds`) on the trainer pool's GPUs, with the trainer's
 ``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
 (:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
 broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from resources.device_model import DeviceModel
-from resources.emulated import sequence_lengths
+from resources.emulated import train_step_seconds
 from tasks.records import TrainBatch, TrainStats
 
 
@@ -36,8 +36,8 @@ class EmulatedTrainer:
 
     def step_seconds(self, batch: TrainBatch) -> float:
         """Unscaled device seconds of one training step over ``batch``."""
-        return self.device.train_step_time(sequence_lengths(batch.samples), self.ppo_epochs,
-                                           self.minibatches)
+        return train_step_seconds(self.device, batch.samples, self.ppo_epochs,
+                                  self.minibatches)
 
     @property
     def version(self) -> int:

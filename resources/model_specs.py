@@ -34,6 +34,10 @@ class ModelSpec(BaseModel):
     experts_per_token: int = Field(default=0, ge=0, description="Routed experts each token uses")
     expert_params: float = Field(default=0.0, ge=0, description="Parameters of one routed "
                                  "expert in one layer")
+    vocab: int = Field(default=0, ge=0, description="Vocabulary size: with the hidden size, the "
+                       "language-model head's and the embedding table's shapes (0: not modelled, "
+                       "every active parameter is a matmul at every token)")
+    tied_embeddings: bool = Field(default=False, description="The head is the embedding table")
     kv_bytes_per_token: float = Field(gt=0, description="KV cache bytes of one token, all layers")
     bytes_per_param: float = Field(default=2.0, gt=0, description="2 for bf16 weights")
 
@@ -52,6 +56,21 @@ class ModelSpec(BaseModel):
         if not self.moe:
             return self.params_total
         return self.params_total - self.layers * self.experts * self.expert_params
+
+    @property
+    def head_params(self) -> float:
+        """The language-model head (hidden x vocab): a matmul only where logits are taken."""
+        return float(self.vocab * self.hidden)
+
+    @property
+    def lookup_params(self) -> float:
+        """An untied input embedding table: read one row per token, no matmul (0 when tied)."""
+        return 0.0 if self.tied_embeddings else self.head_params
+
+    @property
+    def body_params(self) -> float:
+        """Active parameters every token multiplies through, the head and the table left out."""
+        return self.params_active - self.lookup_params - self.head_params
 
     def attention_flops(self, tokens: float, positions: float) -> float:
         """QK^T and AV of ``tokens`` queries over ``positions`` keys each, all layers."""
@@ -91,7 +110,8 @@ class ModelSpec(BaseModel):
                    params_total=layers * per_layer_total + norms + embeddings,
                    params_active=layers * per_layer_active + norms + embeddings,
                    layers=layers, q_dim=heads * head_dim, hidden=hidden, experts=experts,
-                   experts_per_token=per_token, expert_params=float(expert),
+                   experts_per_token=per_token, expert_params=float(expert), vocab=vocab,
+                   tied_embeddings=bool(c.get("tie_word_embeddings", False)),
                    kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_bytes,
                    bytes_per_param=bytes_per_param)
 

@@ -63,6 +63,7 @@ class TurnSample:
     # tokens the turn stood for on an emulated production engine (prompt read + response
     # generated; 0 on a real engine): what the emulated trainer's step time counts
     virtual_tokens: int = 0
+    virtual_response_tokens: int = 0  # of virtual_tokens, the response's (the loss reads them)
     emulated_wait_s: float = 0.0  # real seconds the turn's tasks waited on emulated devices
     # of emulated_wait_s: the prefill engine's share and the KV hand-offs' (the rest is the
     # decode engine's)
@@ -175,6 +176,7 @@ class Trajectory:
     # oldest weights of any forward pass, KV-only passes included (TurnSample.oldest_version)
     forward_oldest_version: int | None = None
     virtual_tokens: int = 0  # TurnSample.virtual_tokens summed over the turns
+    virtual_response_tokens: int = 0  # TurnSample.virtual_response_tokens summed likewise
 
     @property
     def oldest_version(self) -> int:
@@ -255,6 +257,7 @@ class TrainSample:
     behaviour_logprobs: np.ndarray
     advantage: float
     virtual_tokens: int = 0  # Trajectory.virtual_tokens (emulated trainers count these)
+    virtual_response_tokens: int = 0  # Trajectory.virtual_response_tokens
 
 
 @dataclass

@@ -17,8 +17,9 @@ its pool's best rate:
   pool may take any share of either kind, and a pool's time is at least the longer of its
   prefill and its decode share (a mixed step is never shorter than either part alone) plus its
   weight loads; the bound is the least time by which the pools can finish both;
-- **training**: each step's ``train_step_time`` over its trajectories' lengths (with the
-  trainer's ``ppo_epochs`` and ``minibatches`` where the device model takes them); on
+- **training**: each step's ``train_step_time`` over its trajectories' lengths, the head's
+  logits at their responses' tokens (with the trainer's ``ppo_epochs`` and ``minibatches`` where
+  the device model takes them); on
   time-shared (monolithic) GPUs generation and training **add**;
 - **reward**: on a dedicated reward-model pool, every trained trajectory's prefill, packed;
 - **the chain**: each trained trajectory's own dependency chain at zero queueing (its
@@ -141,7 +142,10 @@ def decode_seconds(device: DeviceModel, turns: list[Turn], chunk_tokens: int,
 
 def train_seconds(hw: Hardware, step: list[TrajectoryWork]) -> float:
     lengths = [t.tokens for t in step if t.tokens > 0]
-    return hw.trainer.train_step_time(lengths, **hw.train_options) if lengths else 0.0
+    if not lengths:
+        return 0.0
+    responses = sum(u.response for t in step for u in t.turns)
+    return hw.trainer.train_step_time(lengths, loss_tokens=responses, **hw.train_options)
 
 
 # -- the pools together --------------------------------------------------------------------------

@@ -204,7 +204,7 @@ class Simulation:
             self.core.member_lost(t.group_id)
             return
         t.attempt += 1
-        t.turn = t.context = 0
+        t.turn = t.context = t.responses = 0
         t.env_worker = t.kv_at = t.decode_worker = t.oldest = None
         self.ready.append(t)
 
@@ -218,7 +218,8 @@ class Simulation:
             token_ids=np.zeros(1, np.int64), loss_mask=np.ones(1, bool),
             behaviour_logprobs=np.zeros(1, np.float32), versions=np.array([oldest]),
             env_rewards=[], responses=[], info={}, num_turns=t.turn, truncated=False,
-            context_truncated=False, virtual_tokens=t.context))
+            context_truncated=False, virtual_tokens=t.context,
+            virtual_response_tokens=t.responses))
 
     def _on_scored(self, batch: list[Trajectory]) -> None:
         self.control.driver_events += 1
@@ -235,7 +236,7 @@ class Simulation:
             return
         self.staleness.extend(batch.staleness)
         trainer = self.cluster.trainer_device
-        seconds = self._train_seconds(trainer, emulated.sequence_lengths(batch.samples))
+        seconds = self._train_seconds(trainer, batch.samples)
         self.control.tasks["train_step"] += 1
         if self.cluster.colocated:  # every engine yields its GPUs for the train step
             for e in self.cluster.engines.values():
@@ -245,12 +246,11 @@ class Simulation:
         self.trainer_busy_s += seconds + export
         self.clock.after(self.control.schedulers[0].delay() + seconds + export, self._trained)
 
-    def _train_seconds(self, trainer, lengths: list[int]) -> float:
+    def _train_seconds(self, trainer, samples) -> float:
         """The device model's train step with the trainer's epochs and minibatches (as the
         emulated trainer times it)."""
         hp = self.cfg.trainer.hparams
-        return trainer.train_step_time(lengths, ppo_epochs=hp.ppo_epochs,
-                                       minibatches=hp.minibatches)
+        return emulated.train_step_seconds(trainer, samples, hp.ppo_epochs, hp.minibatches)
 
     def _trained(self) -> None:
         self.control.driver_events += 1

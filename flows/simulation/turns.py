@@ -55,6 +55,7 @@ class SimTrajectory:
     attempt: int = 0
     turn: int = 0
     context: int = 0  # virtual tokens so far
+    responses: int = 0  # of them, decoded (the positions the loss reads)
     oldest: int | None = None
     env_worker: str | None = None
     decode_worker: str | None = None  # sticky decode worker
@@ -323,6 +324,7 @@ class TurnRunner:
             if t.kv_at is not None and t.kv_at != plan.decode_worker:
                 self.release(t)  # the copy left behind is dropped
             t.context = context + t.response
+            t.responses += t.response
             self.generated += t.response
             t.kv_at = t.decode_worker = plan.decode_worker
             t.kv_key = key

@@ -81,6 +81,7 @@ class RolloutRecord:
     env_step_s: float = 0.0
     handle: EnvHandle | None = None
     virtual_tokens: int = 0
+    virtual_response_tokens: int = 0
     last_shape: Any = None  # the TurnShape of the turn in flight (None: real lengths)
     # the turn in flight, kept for the continuation of a stage left running: its cohort's
     # workers (a CohortKey), the cache and observation it reads, when it was submitted
@@ -108,7 +109,7 @@ class RolloutRecord:
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None
         self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None
-        self.virtual_tokens = 0
+        self.virtual_tokens = self.virtual_response_tokens = 0
 
     def record_turn(self, obs: EnvObservation) -> None:
         """Append one finished turn: the tokens read before the action, then the action."""
@@ -125,6 +126,7 @@ class RolloutRecord:
         self.responses.append(s.text)
         self.env_step_s += obs.step_seconds
         self.virtual_tokens += s.virtual_tokens
+        self.virtual_response_tokens += s.virtual_response_tokens
         self.turn += 1
 
     def to_trajectory(self, last: EnvObservation, context_limited: bool) -> Trajectory:
@@ -140,6 +142,7 @@ class RolloutRecord:
             format_errors=int(last.info.get("format_errors", 0)), env_step_s=self.env_step_s,
             evaluation=self.evaluation, forward_oldest_version=self.forward_oldest,
             virtual_tokens=self.virtual_tokens,
+            virtual_response_tokens=self.virtual_response_tokens,
         )
 
 

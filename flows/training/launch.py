@@ -25,11 +25,12 @@ from resources.affinity import pool_tags, route
 from resources.catalog import HardwareProfile, get_profile
 from resources.cluster import ClusterHandle, connect, start_local_cluster
 from resources.device_model import DeviceModel
-from resources.emulated import device_of
+from resources.emulated import device_of, train_step_seconds
 from resources.hardware import PoolRouter
 from resources.lambda_emulator import LambdaEmulator
 from resources.pools import PoolSpec, Tag
 from resources.worker import RollArcWorkerPlugin, quiet_close
+from tasks.records import TrainSample
 
 logger = logging.getLogger(__name__)
 
@@ -176,13 +177,14 @@ def worker_plugin(cfg: TrainConfig, reward: dict) -> RollArcWorkerPlugin:
         stragglers=cfg.faults.stragglers)
 
 
-def colocated_train_s(cfg: TrainConfig) -> Callable[[list[int]], float] | None:
-    """Monolithic on emulated devices, the device time of a train step over sequences of these
-    lengths (its epochs and minibatches included) on the engines' GPUs, which it time-shares
-    (None: the trainer has GPUs of its own)."""
+def colocated_train_s(cfg: TrainConfig) -> Callable[[list[TrainSample]], float] | None:
+    """Monolithic on emulated devices, the device time of a train step over these samples (its
+    epochs and minibatches included) on the engines' GPUs, which it time-shares (None: the
+    trainer has GPUs of its own)."""
     if cfg.placement != Placement.MONOLITHIC or not is_emulated(cfg.engine):
         return None
     profile, _ = pool_hardware(cfg)[effective_pools(cfg)[0].name]
     device = device_of(HardwareProfile(**profile), trainer_gpus(cfg), cfg.engine.device)
     hp = cfg.trainer.hparams
-    return partial(device.train_step_time, ppo_epochs=hp.ppo_epochs, minibatches=hp.minibatches)
+    return partial(train_step_seconds, device, ppo_epochs=hp.ppo_epochs,
+                   minibatches=hp.minibatches)

@@ -189,7 +189,7 @@ class GroupCollector:
             adv = group_advantages([t.reward for t in fresh], self.normalise_std)
             for t, a in zip(fresh, adv, strict=True):
                 samples.append(TrainSample(t.token_ids, t.loss_mask, t.behaviour_logprobs, a,
-                                           t.virtual_tokens))
+                                           t.virtual_tokens, t.virtual_response_tokens))
                 kept.append(t)
         return BatchDecision(samples, kept, stale, ages, orphaned)
 

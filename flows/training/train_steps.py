@@ -22,8 +22,7 @@ from flows.training.lifecycle import DropReason
 from flows.training.reward_bursts import RewardBursts
 from flows.training.trainer_handle import TrainerHandle
 from flows.training.weights import WeightLoads
-from resources.emulated import sequence_lengths
-from tasks.records import TrainBatch, TrainStats, Trajectory
+from tasks.records import TrainBatch, TrainSample, TrainStats, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class TrainSteps:
                  abandoned: Abandoned, weights: WeightLoads, rewards: RewardBursts,
                  sink: MetricSink, elapsed_s: Callable[[], float],
                  restored_from: Callable[[], int | None],
-                 colocated_train_s: Callable[[list[int]], float] | None = None):
+                 colocated_train_s: Callable[[list[TrainSample]], float] | None = None):
         """``restored_from()``: the checkpoint version of a trainer restore since the last step
         (None: none). ``colocated_train_s``: monolithic on emulated devices, the device time of a
         train step on the engines' GPUs, which it time-shares (None: the trainer has its own
@@ -59,8 +58,7 @@ class TrainSteps:
         self.future = self.events.track(
             self.trainer.train(TrainBatch(batch.samples, batch.version)), FutureKind.TRAIN)
         if self.colocated_train_s is not None:
-            self.weights.time_share(batch.version, self.colocated_train_s(
-                sequence_lengths(batch.samples)))
+            self.weights.time_share(batch.version, self.colocated_train_s(batch.samples))
         for callback in self.batch_callbacks:
             callback(batch.version + 1, batch.trajectories)  # as train/step will name it
         self._submitted_at = time.perf_counter()

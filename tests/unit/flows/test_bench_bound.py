@@ -116,8 +116,10 @@ def test_on_time_shared_gpus_generation_and_training_add():
     trainer = _device(gpus=8)
     shared = bound.bound_terms(work, _hw(mono, trainer=trainer, time_shared=True))
     apart = bound.bound_terms(work, _hw(mono, trainer=trainer))
-    train = [trainer.train_step_time([1200 + 600 + 150 + 600, 2600]),
-             trainer.train_step_time([2800 + 2300])]
+    # the head's logits at the responses' tokens only
+    train = [trainer.train_step_time([1200 + 600 + 150 + 600, 2600],
+                                     loss_tokens=600 + 600 + 2000),
+             trainer.train_step_time([2800 + 2300], loss_tokens=800 + 800)]
     generation = bound.generation_seconds(_hw(mono), [t for s in work.steps for x in s
                                                       for t in x.turns], 1)
     assert shared["generation + training"] == pytest.approx(generation + sum(train))

@@ -97,10 +97,12 @@ def test_a_mixed_step_reads_the_weights_once():
 def test_moe_decode_reads_the_shared_weights_once_and_the_experts_its_batch_touches():
     m = PRESETS["moe-235b-a22b"]
     dm = DeviceModel(m, H800, 8)
-    # one token reads the shared weights and its k experts: exactly the active parameters
+    # one token reads the shared weights and its k experts: the active parameters less the input
+    # embedding table, of which it reads a row
     assert m.shared_params > 0.03 * m.params_total
     assert dm.expected_experts(1) == pytest.approx(m.experts_per_token)
-    assert dm.weights_read(1) == pytest.approx(m.params_active * m.bytes_per_param)
+    assert dm.weights_read(1) == pytest.approx((m.params_active - m.lookup_params)
+                                               * m.bytes_per_param)
     assert dm.weights_read(1) > m.shared_params * m.bytes_per_param
     reads = [dm.weights_read(b) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
     assert all(a < b for a, b in zip(reads, reads[1:], strict=False))  # more tokens, more experts
@@ -111,8 +113,10 @@ def test_moe_decode_reads_the_shared_weights_once_and_the_experts_its_batch_touc
     # a small batch's decode step reads far fewer bytes than the whole model
     flops, nbytes = dm.decode_work(1, 1024)
     assert nbytes < m.weight_bytes / 5
-    dense = DeviceModel(PRESETS["dense-8b"], H800, 8)
-    assert dense.weights_read(1) == dense.weights_read(64) == PRESETS["dense-8b"].weight_bytes
+    d8 = PRESETS["dense-8b"]
+    dense = DeviceModel(d8, H800, 8)
+    assert dense.weights_read(1) == dense.weights_read(64) == pytest.approx(
+        d8.weight_bytes - d8.hidden * d8.vocab * d8.bytes_per_param)
 
 
 def test_batch_one_decode_pays_a_real_engines_floor():
@@ -201,6 +205,34 @@ def test_a_train_step_grows_with_ppo_epochs_and_minibatches():
         8 * H800.mem_bandwidth)
     with pytest.raises(ValueError):
         dm.train_step_time(batch, ppo_epochs=0)
+
+
+def test_the_head_costs_flops_only_where_logits_are_taken_and_the_table_none():
+    m = PRESETS["dense-8b"]  # untied: a 128256 x 4096 input table and head
+    dm = DeviceModel(m, H800, 8)
+    head = m.vocab * m.hidden
+    assert m.lookup_params == m.head_params == head
+    assert m.body_params == pytest.approx(m.params_active - 2 * head)
+    attention = m.attention_flops
+    # a prefill chunk takes logits at its last token (the engine samples there) ...
+    flops, _ = dm.prefill_work(4096, 1024)
+    assert flops == pytest.approx(2 * (m.body_params * 4096 + head) + attention(4096, 3072))
+    # ... a decode step at every sequence's token
+    flops, nbytes = dm.decode_work(16, 16 * 2048)
+    assert flops == pytest.approx(2 * (m.body_params + head) * 16 + attention(1, 16 * 2048))
+    # the table is read a row per token: the weights a step reads leave it out, the head in
+    assert nbytes == pytest.approx((m.params_total - head) * 2 + m.kv_bytes_per_token * 16 * 2048)
+    # a train step's head runs at the loss's positions only
+    full, short = dm.train_step_time([4096] * 8), dm.train_step_time([4096] * 8, loss_tokens=512)
+    compute = (full - short) * H800.peak_flops * 8 * dm.mfu
+    assert compute == pytest.approx(3 * 2 * head * (8 * 4096 - 512))
+    # a tied head is the table: every active parameter but it multiplies each token
+    tied = ModelSpec.from_hf_config({
+        "model_type": "tied", "hidden_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "intermediate_size": 4096, "vocab_size": 32000,
+        "tie_word_embeddings": True})
+    assert tied.lookup_params == 0 and tied.body_params == tied.params_active - 32000 * 1024
+    assert DeviceModel(tied, H800).weights_read(1) == tied.weight_bytes
 
 
 def test_training_and_transfers_scale_with_devices_and_bytes():

@@ -143,8 +143,13 @@ def test_the_emulated_backend_gives_the_real_backends_tokens():
     trajs = [t for row in emu for t in row["trajectories"]]
     frozen = [t for t in trajs if t.env_name == "frozenlake"]
     assert frozen and all(t.virtual_tokens >= 800 + t.num_turns for t in frozen)
+    # of them, the responses' (where the trainer's loss, and its head, reads)
+    assert all(t.num_turns <= t.virtual_response_tokens <= t.virtual_tokens - 800
+               for t in frozen)
     # an env task without a shape counts its real lengths
-    assert all(t.virtual_tokens == len(t.token_ids) for t in trajs if t.env_name != "frozenlake")
+    real = [t for t in trajs if t.env_name != "frozenlake"]
+    assert real and all(t.virtual_tokens == len(t.token_ids) for t in real)
+    assert all(t.virtual_response_tokens == t.loss_mask.sum() for t in real)
 
 
 def test_a_reward_model_queues_on_a_dedicated_pool_and_scales_out_serverless():

@@ -203,7 +203,10 @@ def test_the_emulated_trainer_spends_more_with_more_ppo_epochs():
     for t in (one, three):
         t.train_step(batch)
     assert three.busy_s > 2 * one.busy_s
-    assert one.busy_s == pytest.approx(one.device.train_step_time([8, 11, 9, 12], 1, 2))
+    # the head's logits at the loss's positions only: the second half of each sample
+    assert one.busy_s == pytest.approx(one.device.train_step_time([8, 11, 9, 12], 1, 2,
+                                                                  loss_tokens=4 + 6 + 5 + 6))
+    assert one.busy_s < one.device.train_step_time([8, 11, 9, 12], 1, 2)
 
 
 class _Clock:
