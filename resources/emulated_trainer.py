@@ -2,8 +2,8 @@
 
 :class:`EmulatedTrainer` wraps the real trainer (the tokens and gradients are real): each step
 takes the device-model time of a training step over the batch's virtual tokens and loss
-positions (:func:`resources.emulated.train_step_seconds`) on the trainer pool's GPUs, with the trainer's
-``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
+positions (:func:`resources.emulated.train_step_seconds`) on the trainer pool's GPUs, with the
+trainer's ``ppo_epochs`` passes and ``minibatches`` optimizer steps per pass
 (:meth:`resources.device_model.DeviceModel.train_step_time`); exporting weights waits a weight
 broadcast. Waits are sleeps multiplied by ``engine.time_scale``.
 
