@@ -194,8 +194,8 @@ def test_held_out_runs_are_predicted_within_bounds():
     """Calibrated on uniform (seed 0), the simulator predicts the stored long_tail (seed 0) and
     env_heavy (seed 1) benches, other workloads and seeds, without their turn counts or
     orchestration: each system's median over its 3 repeats against the median over 5 simulator
-    seeds. When stored: step times within 8% (5% on average), ratios to rollarc within 9%
-    (5% on average); the bounds add a margin. A simulator that drifts (the device model, the
+    seeds. When stored: step times within 10% (7% on average), ratios to rollarc within 5%
+    (3% on average); the bounds add a margin. A simulator that drifts (the device model, the
     flow's decisions, the calibration's model) fails here."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = []
@@ -206,7 +206,7 @@ def test_held_out_runs_are_predicted_within_bounds():
     s = validation.summary(records)
     table = validation.validation_table(records)
     assert s["step_error_max"] <= 0.15 and s["step_error_mean"] <= 0.10, table
-    assert s["ratio_error_max"] <= 0.13 and s["ratio_error_mean"] <= 0.09, table
+    assert s["ratio_error_max"] <= 0.08 and s["ratio_error_mean"] <= 0.05, table
 
 
 def _paper_mix_records(cal) -> list[dict]:
@@ -221,14 +221,14 @@ def test_a_bench_of_another_workload_time_scale_and_length_is_predicted_within_b
     predicts the stored paper_mix benches (16 steps, 3 repeats, time_scale 0.2; two
     invocations: RollArc's pools against H20-only and H800-only inference and sync-monolithic,
     and against async-monolithic), the median over the repeats. When stored: step times within
-    9%, ratios to rollarc within 9%; the bounds add a margin."""
+    8%, ratios to rollarc within 8%; the bounds add a margin."""
     cal = fit(read_bench(DATA / "uniform-s0.json"))
     records = _paper_mix_records(cal)
     assert {r["system"] for r in records} == {"rollarc", "async-monolithic", "H20-only",
                                                "H800-only", "sync-monolithic"}
     s = validation.summary(records)
     table = validation.validation_table(records)
-    assert s["step_error_max"] <= 0.11 and s["ratio_error_max"] <= 0.11, table
+    assert s["step_error_max"] <= 0.10 and s["ratio_error_max"] <= 0.10, table
 
 
 def test_a_calibration_at_the_bench_time_scale_predicts_another_workload_within_bounds():
