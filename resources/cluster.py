@@ -24,6 +24,7 @@ from distributed.utils import get_mp_context
 from resources.hardware import PoolRouter, adopt_hardware, adopt_joiner
 from resources.net import LOOPBACK, warn_if_exposed
 from resources.pools import PoolSpec, Tag, tags_of
+from resources.stall_watch import watch_worker_stalls
 from resources.worker import TORCH_THREADS_ENV, quiet_close
 
 logger = logging.getLogger(__name__)
@@ -202,12 +203,14 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
                         processes: bool = True, timeout: float = 120, host: str = LOOPBACK,
                         security: Security | None = None,
                         lost_worker_timeout_s: float = 300,
-                        worker_ttl_s: float = 60) -> ClusterHandle:
+                        worker_ttl_s: float = 60, stall_dump_s: float = 0) -> ClusterHandle:
     """The embedded cluster, its scheduler and dashboard on ``host`` (loopback by default; any
     other address is logged as reachable from other machines). With ``security`` every
     connection (client, scheduler, workers) is TLS. A killed worker is restarted by its Nanny
     for up to ``lost_worker_timeout_s`` (:func:`keep_restarting_lost_workers`); one that sends
-    no heartbeat for ``worker_ttl_s`` (stuck, not dead) is restarted by the scheduler."""
+    no heartbeat for ``worker_ttl_s`` (stuck, not dead) is restarted by the scheduler, and one
+    whose event loop has not turned for ``stall_dump_s`` writes its threads' stacks first
+    (:func:`resources.stall_watch.watch_worker_stalls`; 0: not)."""
     warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
                     "send)", host)
     bounded_logs()
@@ -226,6 +229,7 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
     cluster = SpecCluster(workers=specs, scheduler=scheduler, silence_logs=logging.WARNING,
                           name="rollarc", security=security)
     client = Client(cluster)
+    watch_worker_stalls(client, stall_dump_s)
     client.wait_for_workers(len(specs), timeout=timeout)
     handle = _describe(client, cluster)
     return handle
@@ -233,12 +237,14 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
 
 def connect(
     address: str, timeout: float = 60, route_pools: PoolRouter | None = None,
-    security: Security | None = None,
+    security: Security | None = None, stall_dump_s: float = 0,
 ) -> ClusterHandle:
     """Connect to a running scheduler; with ``route_pools``, the workers advertising hardware
-    are pooled and given the tags it routes them; ``security`` for a ``tls://`` scheduler."""
+    are pooled and given the tags it routes them; ``security`` for a ``tls://`` scheduler;
+    ``stall_dump_s`` as for :func:`start_local_cluster`."""
     bounded_logs()
     client = Client(address, timeout=timeout, security=security)
+    watch_worker_stalls(client, stall_dump_s)
     client.wait_for_workers(1, timeout=timeout)
     return _describe(client, None, route_pools)
 

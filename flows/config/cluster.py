@@ -99,6 +99,12 @@ class ClusterConfig(Section):
         "closing its connections, whose tasks would otherwise be waited on (Dask's "
         "distributed.scheduler.worker-ttl, 5 minutes by default; an external scheduler's is its "
         "own)")
+    stall_dump_s: float = Field(
+        default=30, ge=0, description="A worker process whose event loop has not turned this "
+        "long (no heartbeat: stuck in C code holding the GIL, a deadlock) writes every thread's "
+        "stack to its stderr, and again each as long while it stays stuck, before "
+        "cluster.worker_ttl_s restarts it (0: off; workers in the driver's process are not "
+        "watched)")
     tls: Annotated[TLSConfig, BeforeValidator(lambda v: {} if v is None else v)] = Field(
         default_factory=TLSConfig, description="TLS of the Dask connections, the embedded "
         "cluster's and --scheduler's (null: plain TCP)")

@@ -120,6 +120,21 @@ def test_the_embedded_scheduler_keeps_short_logs_of_messages_and_tasks(cluster):
     assert h.client.run_on_scheduler(lengths) == (TASK_STREAM_LENGTH, DEBUG_LOG_LENGTH)
 
 
+def test_the_embedded_clusters_worker_processes_are_watched_for_stalls(cluster):
+    """``cluster.stall_dump_s`` (30 s by default): every worker process of the embedded cluster
+    has the watchdog that writes its threads' stacks when its event loop stops turning
+    (tests/integration/test_stall_watch.py blocks one)."""
+    from resources.stall_watch import CALLBACK, TICKS_PER_PERIOD
+
+    cfg, h = cluster
+    assert cfg.cluster.stall_dump_s == 30
+    watched = h.client.run(lambda dask_worker: (CALLBACK in dask_worker.periodic_callbacks,
+                                                dask_worker.periodic_callbacks[CALLBACK]
+                                                .callback_time))
+    assert len(watched) == len(h.worker_pool)
+    assert set(watched.values()) == {(True, 30_000 / TICKS_PER_PERIOD)}
+
+
 @pytest.mark.long
 def test_a_killed_worker_whose_restart_is_slow_comes_back(tmp_path):
     """SpecCluster closes the Nanny of a lost worker that has not come back within
