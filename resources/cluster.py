@@ -22,6 +22,7 @@ from distributed.security import Security
 from distributed.utils import get_mp_context
 
 from resources.hardware import PoolRouter, adopt_hardware, adopt_joiner
+from resources.heap import keep_workers_freed_memory
 from resources.net import LOOPBACK, warn_if_exposed
 from resources.pools import PoolSpec, Tag, tags_of
 from resources.stall_watch import watch_worker_stalls
@@ -203,14 +204,17 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
                         processes: bool = True, timeout: float = 120, host: str = LOOPBACK,
                         security: Security | None = None,
                         lost_worker_timeout_s: float = 300,
-                        worker_ttl_s: float = 60, stall_dump_s: float = 0) -> ClusterHandle:
+                        worker_ttl_s: float = 60, stall_dump_s: float = 0,
+                        heap_keep_mb: float = 0) -> ClusterHandle:
     """The embedded cluster, its scheduler and dashboard on ``host`` (loopback by default; any
     other address is logged as reachable from other machines). With ``security`` every
     connection (client, scheduler, workers) is TLS. A killed worker is restarted by its Nanny
     for up to ``lost_worker_timeout_s`` (:func:`keep_restarting_lost_workers`); one that sends
     no heartbeat for ``worker_ttl_s`` (stuck, not dead) is restarted by the scheduler, and one
     whose event loop has not turned for ``stall_dump_s`` writes its threads' stacks first
-    (:func:`resources.stall_watch.watch_worker_stalls`; 0: not)."""
+    (:func:`resources.stall_watch.watch_worker_stalls`; 0: not); each worker process keeps up
+    to ``heap_keep_mb`` of freed memory for reuse (:mod:`resources.heap`; 0: the C library's
+    defaults)."""
     warn_if_exposed("the Dask scheduler and dashboard (the scheduler runs code its clients "
                     "send)", host)
     bounded_logs()
@@ -230,6 +234,7 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
                           name="rollarc", security=security)
     client = Client(cluster)
     watch_worker_stalls(client, stall_dump_s)
+    keep_workers_freed_memory(client, heap_keep_mb)
     client.wait_for_workers(len(specs), timeout=timeout)
     handle = _describe(client, cluster)
     return handle
@@ -237,14 +242,15 @@ def start_local_cluster(pools: list[PoolSpec], tags: dict[str, list[Tag]], dashb
 
 def connect(
     address: str, timeout: float = 60, route_pools: PoolRouter | None = None,
-    security: Security | None = None, stall_dump_s: float = 0,
+    security: Security | None = None, stall_dump_s: float = 0, heap_keep_mb: float = 0,
 ) -> ClusterHandle:
     """Connect to a running scheduler; with ``route_pools``, the workers advertising hardware
     are pooled and given the tags it routes them; ``security`` for a ``tls://`` scheduler;
-    ``stall_dump_s`` as for :func:`start_local_cluster`."""
+    ``stall_dump_s`` and ``heap_keep_mb`` as for :func:`start_local_cluster`."""
     bounded_logs()
     client = Client(address, timeout=timeout, security=security)
     watch_worker_stalls(client, stall_dump_s)
+    keep_workers_freed_memory(client, heap_keep_mb)
     client.wait_for_workers(1, timeout=timeout)
     return _describe(client, None, route_pools)
 

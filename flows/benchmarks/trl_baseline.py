@@ -43,6 +43,7 @@ from flows.config.derived import batch_trajectories, reward_name
 from flows.monitoring.metrics import by_env
 from flows.training.episode import RolloutRecord, sampling_params, score_requests, turn_ends
 from flows.training.orchestration import GroupDraw
+from resources.heap import keep_freed_memory
 from tasks.env_steps import EnvRegistry, env_reset, env_step
 from tasks.policy import load_policy, stop_token_ids
 from tasks.records import SamplingParams, TurnSample
@@ -245,14 +246,19 @@ def step_logger(rollout: MultiTurnRollout, minibatches: int, rows: list[dict]):
     return StepLog()
 
 
-def run_baseline(cfg: TrainConfig, out_dir: Path, threads: int = 1) -> dict:
+def run_baseline(cfg: TrainConfig, out_dir: Path, threads: int = 1,
+                 heap_keep_mb: float = 0) -> dict:
     """Train ``cfg.trainer.max_steps`` steps with TRL on ``threads`` torch threads; writes
     ``metrics.jsonl`` (RollArc's row shape) and ``trl_baseline.json`` (:func:`run_figures`,
-    TRL's version) under ``out_dir``."""
+    TRL's version) under ``out_dir``. ``heap_keep_mb``: the process keeps freed memory as
+    RollArc's workers do (:mod:`resources.heap`; 0: the C library's defaults, as a TRL user
+    runs it)."""
     import trl
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    if heap_keep_mb > 0 and not keep_freed_memory(int(heap_keep_mb * 2**20)):
+        raise RuntimeError("--heap-keep-mb: this C library's allocator has no glibc mallopt")
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     model, tokenizer = load_policy(cfg.policy, dtype=torch.float32)
@@ -270,6 +276,7 @@ def run_baseline(cfg: TrainConfig, out_dir: Path, threads: int = 1) -> dict:
     trainer.train()
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     figures = run_figures(rows) | {"system": "trl", "seed": cfg.seed, "threads": threads,
+                                   "heap_keep_mb": heap_keep_mb,
                                    "trl_version": trl.__version__}
     (out_dir / "trl_baseline.json").write_text(json.dumps(figures, indent=2))
     return figures
@@ -285,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     # RollArc's workers run one torch thread each (cluster.pools[].torch_threads); on tensors
     # this small a second OpenMP thread buys nothing and, on a loaded machine, spins
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the TRL process")
+    ap.add_argument("--heap-keep-mb", type=float, default=0,
+                    help="the TRL process keeps this much freed memory for reuse, as RollArc's "
+                         "workers do (cluster.heap_keep_mb); 0: the C library's defaults, as a "
+                         "TRL user runs it")
     ap.add_argument("--out", default=None, help="output directory (default: runs/trl_baseline/"
                                                 "seed<seed>, or runs/trl_compare)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
@@ -292,12 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.compare:
         compare(args.seeds, args.steps, Path(args.out or "runs/trl_compare"), args.overrides,
-                args.threads)
+                args.threads, args.heap_keep_mb)
         return 0
     cfg = load_config(None, [f"seed={args.seed}", f"trainer.max_steps={args.steps}",
                              "policy.device=cpu", *args.overrides])
     figures = run_baseline(cfg, Path(args.out or f"runs/trl_baseline/seed{args.seed}"),
-                           args.threads)
+                           args.threads, args.heap_keep_mb)
     logger.info("trl %s: %.2f s/step, target at step %s (%s s)", figures["trl_version"],
                 figures["s_per_step"], figures["step_to_target"], figures["s_to_target"])
     return 0

@@ -43,7 +43,7 @@ def run_figures(rows: list[dict]) -> dict:
 
 
 def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: list[str],
-               threads: int = 1) -> dict:
+               threads: int = 1, heap_keep_mb: float = 0) -> dict:
     """One run in a fresh process (``flows/train.py`` or this module), its figures read from
     the metric rows it wrote, with the cores its processes kept busy (:func:`cores_busy`) and
     so the core-seconds a step took."""
@@ -53,7 +53,8 @@ def run_system(system: str, seed: int, steps: int, run_dir: Path, overrides: lis
                "metrics.progress=false", "cluster.dashboard_port=0"]
     else:
         cmd = [sys.executable, "-m", "flows.benchmarks.trl_baseline", "--out", str(run_dir),
-               "--steps", str(steps), "--seed", str(seed), "--threads", str(threads), *overrides]
+               "--steps", str(steps), "--seed", str(seed), "--threads", str(threads),
+               "--heap-keep-mb", str(heap_keep_mb), *overrides]
     logger.info("%s seed %d: %s", system, seed, " ".join(cmd))
     cores = cores_busy(run_sampling_cpu(cmd, cwd=ROOT))
     figures = run_figures(read_metrics(run_dir))
@@ -103,8 +104,10 @@ def compare_report(runs: list[dict], console) -> dict:
     return out
 
 
-def compare(seeds: list[int], steps: int, out: Path, overrides: list[str], threads: int = 1) -> dict:
-    runs = [run_system(system, seed, steps, out / f"{system}-seed{seed}", overrides, threads)
+def compare(seeds: list[int], steps: int, out: Path, overrides: list[str], threads: int = 1,
+            heap_keep_mb: float = 0) -> dict:
+    runs = [run_system(system, seed, steps, out / f"{system}-seed{seed}", overrides, threads,
+                       heap_keep_mb)
             for seed in seeds for system in ("rollarc", "trl")]
     result = compare_report(runs, Console())
     (out / "compare.json").write_text(json.dumps(result, indent=2))

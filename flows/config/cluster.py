@@ -105,6 +105,12 @@ class ClusterConfig(Section):
         "stack to its stderr, and again each as long while it stays stuck, before "
         "cluster.worker_ttl_s restarts it (0: off; workers in the driver's process are not "
         "watched)")
+    heap_keep_mb: float = Field(
+        default=1024, ge=0, description="Worker processes keep up to this much freed memory "
+        "in their heap and serve blocks up to this size from it (glibc mallopt "
+        "M_MMAP_THRESHOLD and M_TRIM_THRESHOLD), instead of unmapping a step's large tensors "
+        "when freed and page-faulting them in again the next step (0: the C library's "
+        "defaults; workers in the driver's process are left as they are)")
     tls: Annotated[TLSConfig, BeforeValidator(lambda v: {} if v is None else v)] = Field(
         default_factory=TLSConfig, description="TLS of the Dask connections, the embedded "
         "cluster's and --scheduler's (null: plain TCP)")

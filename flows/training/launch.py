@@ -62,14 +62,16 @@ def make_cluster(cfg: TrainConfig, scheduler: str | None) -> ClusterHandle:
     security = tls_security(cfg.cluster.tls)  # None: plain TCP
     if scheduler:
         return connect(scheduler, timeout=cfg.cluster.startup_timeout_s, route_pools=route_pools,
-                       security=security, stall_dump_s=cfg.cluster.stall_dump_s)
+                       security=security, stall_dump_s=cfg.cluster.stall_dump_s,
+                       heap_keep_mb=cfg.cluster.heap_keep_mb)
     pools = effective_pools(cfg)
     return start_local_cluster(pools, route_pools(pools), cfg.cluster.dashboard_port,
                                cfg.cluster.processes, cfg.cluster.startup_timeout_s,
                                host=cfg.cluster.host, security=security,
                                lost_worker_timeout_s=cfg.cluster.pool_empty_timeout_s,
                                worker_ttl_s=cfg.cluster.worker_ttl_s,
-                               stall_dump_s=cfg.cluster.stall_dump_s)
+                               stall_dump_s=cfg.cluster.stall_dump_s,
+                               heap_keep_mb=cfg.cluster.heap_keep_mb)
 
 
 def start_reward_service(cfg: TrainConfig) -> LambdaEmulator | None:

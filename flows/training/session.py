@@ -88,7 +88,8 @@ class Session:
         cfg = _config(config, overrides)
         check_single_scheduler(cfg, scheduler)
         handle = connect(scheduler, timeout, route_pools=pool_router(cfg), security=security,
-                         stall_dump_s=cfg.cluster.stall_dump_s)
+                         stall_dump_s=cfg.cluster.stall_dump_s,
+                         heap_keep_mb=cfg.cluster.heap_keep_mb)
         return cls(handle, cfg if config is not None or overrides else None)
 
     @property

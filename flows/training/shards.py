@@ -87,7 +87,8 @@ def start_rollout_shards(cfg: TrainConfig, tags_for: PoolRouter) -> list[Cluster
                                          c.startup_timeout_s, host=c.host, security=security,
                                          lost_worker_timeout_s=c.pool_empty_timeout_s,
                                          worker_ttl_s=c.worker_ttl_s,
-                                         stall_dump_s=c.stall_dump_s)
+                                         stall_dump_s=c.stall_dump_s,
+                                         heap_keep_mb=c.heap_keep_mb)
             logger.info("rollout shard %d: scheduler %s, dashboard %s", k,
                         handle.client.scheduler.address, handle.dashboard_link)
             started.append(handle)

@@ -120,19 +120,22 @@ def test_the_embedded_scheduler_keeps_short_logs_of_messages_and_tasks(cluster):
     assert h.client.run_on_scheduler(lengths) == (TASK_STREAM_LENGTH, DEBUG_LOG_LENGTH)
 
 
-def test_the_embedded_clusters_worker_processes_are_watched_for_stalls(cluster):
-    """``cluster.stall_dump_s`` (30 s by default): every worker process of the embedded cluster
-    has the watchdog that writes its threads' stacks when its event loop stops turning
-    (tests/integration/test_stall_watch.py blocks one)."""
+def test_the_embedded_clusters_worker_processes_are_watched_and_keep_freed_memory(cluster):
+    """By default every worker process of the embedded cluster has the watchdog that writes
+    its threads' stacks when its event loop stops turning (``cluster.stall_dump_s``, 30 s;
+    tests/integration/test_stall_watch.py blocks one) and keeps up to 1 GiB of freed memory for
+    reuse (``cluster.heap_keep_mb``; tests/unit/resources/test_heap.py)."""
+    from resources.heap import PLUGIN_NAME as HEAP
     from resources.stall_watch import CALLBACK, TICKS_PER_PERIOD
 
     cfg, h = cluster
-    assert cfg.cluster.stall_dump_s == 30
-    watched = h.client.run(lambda dask_worker: (CALLBACK in dask_worker.periodic_callbacks,
-                                                dask_worker.periodic_callbacks[CALLBACK]
-                                                .callback_time))
-    assert len(watched) == len(h.worker_pool)
-    assert set(watched.values()) == {(True, 30_000 / TICKS_PER_PERIOD)}
+    assert (cfg.cluster.stall_dump_s, cfg.cluster.heap_keep_mb) == (30, 1024)
+    settings = h.client.run(lambda dask_worker: (
+        dask_worker.periodic_callbacks[CALLBACK].callback_time
+        if CALLBACK in dask_worker.periodic_callbacks else None,
+        dask_worker.plugins[HEAP].nbytes, dask_worker.plugins[HEAP].applied))
+    assert len(settings) == len(h.worker_pool)
+    assert set(settings.values()) == {(30_000 / TICKS_PER_PERIOD, 1 << 30, True)}
 
 
 @pytest.mark.long

@@ -1,6 +1,6 @@
 """A worker process whose event loop is blocked writes every thread's stack to its stderr while
 it is blocked (``cluster.stall_dump_s``), and only then; a worker in the client's process is
-not watched. On a ``dask scheduler`` and a ``dask worker`` (Nanny on) started as a user starts
+neither watched nor has its heap setting (``cluster.heap_keep_mb``) applied. On a ``dask scheduler`` and a ``dask worker`` (Nanny on) started as a user starts
 them, whose output is its log file."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 
 from resources.cluster import connect, start_local_cluster
+from resources.heap import PLUGIN_NAME as HEAP
 from resources.pools import PoolSpec, Role, Tag
 from resources.stall_watch import CALLBACK, PLUGIN_NAME, StallWatch
 from tests.external_cluster import ExternalCluster
@@ -42,14 +43,17 @@ def test_a_blocked_worker_writes_its_threads_stacks_while_it_is_blocked(tmp_path
     assert stuck and float(stuck[1]) >= 2.4, text
 
 
-def test_workers_in_the_clients_process_are_not_watched():
+def test_workers_in_the_clients_process_are_neither_watched_nor_tuned():
+    """The watchdog and the heap setting are the whole process's: the client's process (here,
+    pytest's, whose own faulthandler timeout must stay armed) is left as it is."""
     pools = [PoolSpec(name="env", profile="CPU", role=Role.ENV, workers=1, slots=2)]
     handle = start_local_cluster(pools, {"env": [Tag.CPU_ENV]}, dashboard_port=0,
-                                 processes=False, timeout=30, stall_dump_s=1)
+                                 processes=False, timeout=30, stall_dump_s=1, heap_keep_mb=64)
     try:
-        watched = handle.client.run(lambda dask_worker: (
+        settings = handle.client.run(lambda dask_worker: (
             CALLBACK in dask_worker.periodic_callbacks,
-            isinstance(dask_worker.plugins.get(PLUGIN_NAME), StallWatch)))
+            isinstance(dask_worker.plugins.get(PLUGIN_NAME), StallWatch),
+            dask_worker.plugins[HEAP].applied))
     finally:
         handle.close()
-    assert watched and set(watched.values()) == {(False, True)}
+    assert settings and set(settings.values()) == {(False, True, False)}
