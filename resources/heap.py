@@ -34,8 +34,8 @@ M_MMAP_THRESHOLD = -3
 
 def keep_freed_memory(nbytes: int) -> bool:
     """This process's allocator serves blocks up to ``nbytes`` from its heap and keeps up to
-    ``nbytes`` of freed memory there; False (and nothing changed) where the C library has no
-    glibc ``mallopt`` or refuses the value."""
+    ``nbytes`` (at most 2 GiB) of freed memory there; False where the C library has no glibc
+    ``mallopt`` or refuses either value."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt
