@@ -20,9 +20,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
-from distributed.diagnostics.plugin import WorkerPlugin
+from resources.process_plugin import ProcessWorkerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def keep_freed_memory(nbytes: int) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, value)) and bool(mallopt(M_TRIM_THRESHOLD, value))
 
 
-class KeepFreedMemory(WorkerPlugin):
+class KeepFreedMemory(ProcessWorkerPlugin):
     """:func:`keep_freed_memory` of ``nbytes`` in each worker process; the process of the
     client that registers it (in-process workers: ``cluster.processes: false``, a notebook's
     cluster) is left as it is."""
@@ -54,12 +53,12 @@ class KeepFreedMemory(WorkerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, nbytes: int, client_pid: int | None = None):
+        super().__init__(client_pid)
         self.nbytes = int(nbytes)
-        self.client_pid = os.getpid() if client_pid is None else client_pid
 
     def setup(self, worker) -> None:
         self.applied = False
-        if os.getpid() == self.client_pid:
+        if self.in_client_process():
             return
         self.applied = keep_freed_memory(self.nbytes)
         if not self.applied:

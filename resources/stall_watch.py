@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import sys
 import time
 
-from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
+
+from resources.process_plugin import ProcessWorkerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ CALLBACK = "rollarc-stall-watch"
 TICKS_PER_PERIOD = 4  # re-arms per period: a loop late by less than a period never dumps
 
 
-class StallWatch(WorkerPlugin):
+class StallWatch(ProcessWorkerPlugin):
     """Every thread's stack written to the worker's stderr when its event loop has not turned
     for ``seconds`` (see the module). ``client_pid``: the process of the client that registers
     it, whose in-process workers are not watched."""
@@ -47,12 +47,12 @@ class StallWatch(WorkerPlugin):
     def __init__(self, seconds: float, client_pid: int | None = None):
         if seconds <= 0:
             raise ValueError(f"seconds must be positive, got {seconds}")
+        super().__init__(client_pid)
         self.seconds = float(seconds)
-        self.client_pid = os.getpid() if client_pid is None else client_pid
 
     def setup(self, worker) -> None:
         self._callback = None
-        if os.getpid() == self.client_pid:
+        if self.in_client_process():
             return
         self._worker = worker.name if worker.name is not None else worker.address
         self._out = sys.stderr if _has_fd(sys.stderr) else sys.__stderr__

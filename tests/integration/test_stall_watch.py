@@ -1,7 +1,8 @@
 """A worker process whose event loop is blocked writes every thread's stack to its stderr while
 it is blocked (``cluster.stall_dump_s``), and only then; a worker in the client's process is
-neither watched nor has its heap setting (``cluster.heap_keep_mb``) applied. On a ``dask scheduler`` and a ``dask worker`` (Nanny on) started as a user starts
-them, whose output is its log file."""
+neither watched nor has its heap setting (``cluster.heap_keep_mb``) applied. On a ``dask
+scheduler`` and a ``dask worker`` (Nanny on) started as a user starts them, whose output is its
+log file."""
 
 from __future__ import annotations
 
