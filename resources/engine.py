@@ -9,7 +9,11 @@ conversation's KV on the worker between turns; its cache handle is a
 
 Each Dask task thread calls :meth:`InferenceEngine.forward` and blocks; one engine thread drains
 the request queue, pads the requests' past KV caches (left) and new tokens (right) into one batch,
-runs a single forward pass and hands each request its slice back. New weights are applied by that
+runs a single forward pass and hands each request its slice back. A stage task that runs several
+trajectories at once (a cohort, :mod:`tasks.cohort`) announces its members first
+(:meth:`InferenceEngine.members`): the engine then holds its next pass until each of them has
+queued its request or finished, at most ``hold_s``, so that the cohort shares one pass rather
+than the first few members' requests going ahead alone. New weights are applied by that
 same thread between two forward passes: the safe point. Every result carries the version of the
 weights that produced it.
 
@@ -25,7 +29,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +58,9 @@ from tasks.specs import PolicySpec
 logger = logging.getLogger(__name__)
 
 KV_STORE_GIB = 2.0  # the most conversations' KV an hf worker keeps between turns, by default
+# the longest the engine holds a pass for announced members still to queue a request
+HOLD_S = 0.01
+_member = threading.local()  # the announced member a task thread is running, if any
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -85,10 +94,44 @@ class EngineStats:
     weight_loads: int = 0
 
 
+class _Members:
+    """The members of one stage task, announced to an engine: each counts as arrived once it
+    has queued a forward request or finished without one."""
+
+    def __init__(self, engine: InferenceEngine, n: int):
+        self.engine, self.left = engine, set(range(n))
+        with engine._gate:
+            engine._expected += n
+
+    def run(self, fn: Callable[[int], Any], i: int) -> Any:
+        _member.current = (self, i)
+        try:
+            return fn(i)
+        finally:
+            _member.current = None
+            self.arrived(i)
+
+    def arrived(self, i: int) -> None:
+        with self.engine._gate:
+            if i in self.left:
+                self.left.discard(i)
+                self.engine._expected -= 1
+                if self.engine._expected <= 0:
+                    self.engine._gate.notify_all()
+
+    def release(self) -> None:
+        """The task returned: members still running (deferred) hold no pass back."""
+        with self.engine._gate:
+            self.engine._expected -= len(self.left)
+            self.left.clear()
+            self.engine._gate.notify_all()
+
+
 class InferenceEngine:
     """Batched, versioned forward passes over a causal LM."""
 
-    def __init__(self, model: PreTrainedModel, max_batch: int = 64, batch_wait_s: float = 0.0):
+    def __init__(self, model: PreTrainedModel, max_batch: int = 64, batch_wait_s: float = 0.0,
+                 hold_s: float = HOLD_S):
         self.model = model.eval()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -96,6 +139,9 @@ class InferenceEngine:
         self._cache_kwarg = cache_kwarg(model)
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
+        self.hold_s = hold_s
+        self._gate = threading.Condition()
+        self._expected = 0  # announced members that have neither queued a request nor finished
         self.version = -1  # nothing loaded yet: the flow loads the trainer's weights first
         self.stats = EngineStats()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
@@ -118,7 +164,20 @@ class InferenceEngine:
             past = torch.from_numpy(past)
         fut: Future = Future()
         self._queue.put(_Request(past, list(input_ids), fut))
+        if (member := getattr(_member, "current", None)) is not None:
+            member[0].arrived(member[1])
         return fut.result()
+
+    @contextmanager
+    def members(self, n: int) -> Iterator[Callable[[Callable[[int], Any], int], Any]]:
+        """Announce ``n`` members about to call :meth:`forward`, each through the yielded
+        ``run(fn, i)`` on its own thread: the next pass waits (at most ``hold_s``) until every
+        one has queued its request or finished, and takes them together."""
+        members = _Members(self, n)
+        try:
+            yield members.run
+        finally:
+            members.release()
 
     def load_weights(self, state: dict[str, np.ndarray], version: int, timeout: float = 600) -> int:
         """Stage new weights; the engine thread switches at the next safe point. Returns the
@@ -154,6 +213,9 @@ class InferenceEngine:
             batch = [first]
             if self.batch_wait_s:
                 time.sleep(self.batch_wait_s)
+            if self.hold_s:
+                with self._gate:
+                    self._gate.wait_for(lambda: self._expected <= 0, timeout=self.hold_s)
             while len(batch) < self.max_batch:
                 try:
                     item = self._queue.get_nowait()
@@ -226,6 +288,10 @@ class HFBackend:
     def version(self) -> int:
         return self.engine.version
 
+    def members(self, n: int):
+        """A cohort's ``n`` members share the engine's passes (:meth:`InferenceEngine.members`)."""
+        return self.engine.members(n)
+
     def prefill(self, cache: KVCache | None, new_ids: list[int],
                 shape: TurnShape | None = None) -> PrefillOutput:
         """``shape`` (virtual lengths) means nothing to a real engine."""
@@ -249,7 +315,7 @@ class HFBackend:
 
 
 def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.0,
-               kv_store_gib: float = KV_STORE_GIB) -> HFBackend:
+               kv_store_gib: float = KV_STORE_GIB, hold_s: float = HOLD_S) -> HFBackend:
     """Build the ``hf`` backend of ``policy`` (the ``engine.backend`` default).
 
     The worker keeps its conversations' KV between their turns (float32 on the CPU) up to
@@ -260,8 +326,10 @@ def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.
     layers, kv_heads, head_dim = kv_geometry(model)
     token_bytes = layers * 2 * kv_heads * head_dim * 4
     capacity = min(int(kv_store_gib * 2**30), 4 * max_batch * policy.max_context * token_bytes)
-    return HFBackend(InferenceEngine(model, max_batch=max_batch, batch_wait_s=batch_wait_s),
-                     tokenizer, stop_token_ids(tokenizer), policy.max_context, KVStore(capacity))
+    engine = InferenceEngine(model, max_batch=max_batch, batch_wait_s=batch_wait_s,
+                             hold_s=hold_s)
+    return HFBackend(engine, tokenizer, stop_token_ids(tokenizer), policy.max_context,
+                     KVStore(capacity))
 
 
 def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,

@@ -18,7 +18,9 @@ engine's consecutive batched forward passes leave together, a straggler holds no
 members still running go on in the background on that worker and come back as
 :class:`Deferred` markers, which the later stages pass through; the driver picks them up with
 :func:`collect` on the same worker, which returns under the same rule. The engine, not the
-cohort, batches the forward passes. ``grace_s=None`` keeps a stage waiting for every member (a
+cohort, batches the forward passes; a backend that offers ``members(n)`` (the ``hf`` engine) is
+told of a stage's members first, so that their requests, queued one thread after another, share
+a pass. ``grace_s=None`` keeps a stage waiting for every member (a
 barrier per cohort per turn: the baseline the benchmark measures it with).
 """
 
@@ -185,13 +187,24 @@ def env_reset_many(registry, tokenizer, reset_fn, specs: list[dict], seeds: list
                                    system_prompt), len(specs), Phase.ENV_RESET, grace_s)
 
 
+def _on_backend(backend, fn: Callable[[int], Any], n: int, phase: Phase,
+                grace_s: float | None) -> list[Any]:
+    """:func:`each` of ``fn``, with the members announced to a backend that batches the calls
+    of concurrent members (``members(n)``, the ``hf`` engine's) so that they share its passes."""
+    members = getattr(backend, "members", None)
+    if n == 1 or members is None:
+        return each(fn, n, phase, grace_s)
+    with members(n) as run:
+        return each(lambda i: run(fn, i), n, phase, grace_s)
+
+
 def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: list,
                  grace_s: float | None = None) -> list:
     def one(i):
         past, obs = pick(pasts[i]), pick(observations[i])
         return _failed(past, obs) or prefill_fn(backend, past, obs, **_shape(shapes[i]))
 
-    return each(one, len(observations), Phase.PREFILL, grace_s)
+    return _on_backend(backend, one, len(observations), Phase.PREFILL, grace_s)
 
 
 def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, seeds: list,
@@ -201,7 +214,7 @@ def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, 
         return _failed(prefilled[i], past) or decode_fn(backend, prefilled[i], past, params[i],
                                                         seeds[i], **_shape(shapes[i]))
 
-    return each(one, len(prefilled), Phase.DECODE, grace_s)
+    return _on_backend(backend, one, len(prefilled), Phase.DECODE, grace_s)
 
 
 def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,

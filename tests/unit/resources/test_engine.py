@@ -104,3 +104,80 @@ def test_a_bfloat16_model_hands_back_float32_cpu_results(policy, obs):
         assert np.isfinite(out.sample.logprobs).all()
     finally:
         engine.close()
+
+
+def _wait_until(cond, timeout=30.0):
+    deadline = threading.Event()
+    timer = threading.Timer(timeout, deadline.set)
+    timer.start()
+    try:
+        while not cond():
+            assert not deadline.wait(0.005), "timed out"
+    finally:
+        timer.cancel()
+
+
+def test_announced_members_arriving_one_after_another_share_one_pass(engine):
+    engine.hold_s = 600.0  # only the members' arrival may release the pass here
+    n, go = 5, threading.Event()
+    before = engine.stats.forward_passes
+    results: dict[int, object] = {}
+
+    def member(i):
+        if i:
+            assert go.wait(30)
+        return engine.forward(None, [3, 6 + i, 7])
+
+    with engine.members(n) as run:
+        threads = [threading.Thread(target=lambda i=i: results.update({i: run(member, i)}))
+                   for i in range(n)]
+        for t in threads:
+            t.start()
+        # the first request is queued alone; without the announcement it would run by itself
+        _wait_until(lambda: engine._expected == n - 1)
+        go.set()
+        for t in threads:
+            t.join(60)
+    assert len(results) == n
+    assert engine.stats.forward_passes - before == 1 and engine.stats.max_batch_seen == n
+    assert engine._expected == 0
+
+
+def test_a_member_that_fails_before_its_request_holds_no_pass(engine):
+    engine.hold_s = 600.0
+    out: dict[int, object] = {}
+
+    def member(i):
+        if i == 2:
+            raise ValueError("bad observation")
+        return engine.forward(None, [3, 6, 7])
+
+    def guarded(run, i):
+        try:
+            out[i] = run(member, i)
+        except ValueError as exc:
+            out[i] = exc
+
+    with engine.members(3) as run:
+        threads = [threading.Thread(target=guarded, args=(run, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert isinstance(out[2], ValueError) and out[0].kv_new.shape[3] == 3
+
+
+def test_a_member_still_running_when_its_task_returns_holds_no_later_pass(engine):
+    engine.hold_s = 600.0
+    release = threading.Event()
+    with engine.members(2) as run:
+        stuck = threading.Thread(target=run, args=(lambda i: release.wait(30), 1))
+        stuck.start()
+    # the task returned with member 1 deferred: a later request runs without waiting for it
+    done = threading.Thread(target=lambda: engine.forward(None, [3, 6]))
+    done.start()
+    done.join(60)
+    assert not done.is_alive() and engine._expected == 0
+    release.set()
+    stuck.join(30)
