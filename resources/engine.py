@@ -292,6 +292,13 @@ class HFBackend:
         """A cohort's ``n`` members share the engine's passes (:meth:`InferenceEngine.members`)."""
         return self.engine.members(n)
 
+    def decodes_inline(self, params: SamplingParams) -> bool:
+        """A one-token response is sampled from prefill's logits and not run (``kv_decode``):
+        with no forward pass to share, a cohort's members decode one after another in the
+        task's thread; a thread each cost three times the CPU, their small torch calls handing
+        the GIL round. (A member whose conversation this worker's store lacks still runs it.)"""
+        return params.max_new_tokens <= 1
+
     def prefill(self, cache: KVCache | None, new_ids: list[int],
                 shape: TurnShape | None = None) -> PrefillOutput:
         """``shape`` (virtual lengths) means nothing to a real engine."""

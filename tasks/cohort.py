@@ -100,12 +100,13 @@ def _guard(fn: Callable[[int], Any], i: int) -> Any:
 
 
 def each(fn: Callable[[int], Any], n: int, phase: Phase | None = None,
-         grace_s: float | None = None) -> list[Any]:
+         grace_s: float | None = None, inline: bool = False) -> list[Any]:
     """``fn(i)`` for every member, concurrently when there are several. With ``grace_s``, the
     members not done when the task returns (see the module docstring) are :class:`Deferred`
-    markers of ``phase``."""
-    if n == 1:
-        return [_guard(fn, 0)]
+    markers of ``phase``. ``inline``: one after another in the calling thread, for members
+    that neither wait nor share a forward pass (each is done when the task returns)."""
+    if n == 1 or inline:
+        return [_guard(fn, i) for i in range(n)]
     started = time.monotonic()
     futures = {i: _POOL.submit(_guard, fn, i) for i in range(n)}
     if grace_s is None or phase is None:
@@ -214,7 +215,20 @@ def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, 
         return _failed(prefilled[i], past) or decode_fn(backend, prefilled[i], past, params[i],
                                                         seeds[i], **_shape(shapes[i]))
 
+    inline = getattr(backend, "decodes_inline", None)
+    if inline is not None and all(inline(p) for p in params):
+        return each(one, len(prefilled), inline=True)
     return _on_backend(backend, one, len(prefilled), Phase.DECODE, grace_s)
+
+
+def _quick_step(registry, obs: Any) -> bool:
+    """Whether the member's step is quick (its environment's ``quick_step``), or fails at once."""
+    if isinstance(obs, MemberError | Deferred):
+        return True
+    try:
+        return bool(getattr(registry.get(obs.handle.instance_id), "quick_step", False))
+    except Exception:  # not live here: the member's step fails at once
+        return True
 
 
 def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,
@@ -224,4 +238,7 @@ def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,
         return _failed(obs, decoded[i]) or step_fn(registry, tokenizer, obs,
                                                    response_fn(decoded[i]))
 
-    return each(one, len(decoded), Phase.ENV_STEP, grace_s)
+    # a thread each lets waiting steps overlap; quick ones go one after another, a thread each
+    # costing more than the step
+    inline = all(_quick_step(registry, pick(o)) for o in observations)
+    return each(one, len(decoded), Phase.ENV_STEP, grace_s, inline=inline)

@@ -7,6 +7,9 @@ penalty and the turn, and never raises. ``info`` of the final step carries ``suc
 Optionally, a static or class method ``check_config(**kwargs)`` checks constructor arguments
 without building an instance: the config loader calls it, so a bad value fails at start-up while
 environments are only ever built on the workers.
+Optionally, a class attribute ``quick_step = True`` says that a step runs in the worker's own
+code, briefly, and waits for nothing (no remote service, no long compute): a stage task then steps
+its cohort's members one after another instead of a thread each (``tasks/cohort.py``).
 """
 
 from __future__ import annotations

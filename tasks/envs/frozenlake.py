@@ -38,6 +38,8 @@ class FrozenLakeText:
     """FrozenLake with text observations: ``position`` (row and column), ``cell`` (the cell's
     index, the easiest for a policy trained from scratch) or ``grid`` (the whole map)."""
 
+    quick_step = True  # steps in the worker's own code, waiting for nothing (tasks/envs/base.py)
+
     def __init__(self, map_name: str = "4x4", is_slippery: bool = False, max_turns: int = 10,
                  format_penalty: float = 0.1,
                  observation: Literal["position", "cell", "grid"] = "position",

@@ -24,6 +24,8 @@ def parse_guess(text: str, action_format: Literal["compact", "tagged"] = "compac
 
 
 class GuessNumber:
+    quick_step = True  # steps in the worker's own code, waiting for nothing (tasks/envs/base.py)
+
     def __init__(self, low: int = 1, high: int = 8, max_turns: int = 4, format_penalty: float = 0.1,
                  action_format: Literal["compact", "tagged"] = "compact"):
         self.check_config(low=low, high=high, action_format=action_format)

@@ -230,6 +230,8 @@ class Sokoban:
     """Sokoban with text observations over generated, verified-solvable levels (see module
     docstring)."""
 
+    quick_step = True  # steps in the worker's own code, waiting for nothing (tasks/envs/base.py)
+
     @staticmethod
     def check_config(width: int = 6, height: int = 6, boxes: int = 1, max_turns: int = 20,
                      format_penalty: float = 0.1, step_penalty: float = 0.0,

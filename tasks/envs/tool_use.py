@@ -229,6 +229,8 @@ def is_correct(value: str, reference: float) -> bool:
 class ToolUse:
     """Arithmetic questions answered with an optional calculator tool (see module docstring)."""
 
+    quick_step = True  # steps in the worker's own code, waiting for nothing (tasks/envs/base.py)
+
     @staticmethod
     def check_config(max_turns: int = 4, max_operand: int = 10,
                      ops: tuple[str, ...] = ("plus", "minus", "times"),

@@ -9,8 +9,23 @@ from tasks.cohort import (
     collect,
     decode_many,
     each,
+    env_step_many,
     pending_members,
 )
+from tasks.env_steps import EnvRegistry, env_reset, env_step
+from tasks.envs.frozenlake import FrozenLakeText
+from tasks.envs.latency import RemoteLatency
+from tasks.generation import decode, prefill, response_of
+from tasks.policy import load_policy
+from tasks.records import (
+    DecodeOutput,
+    EnvHandle,
+    EnvObservation,
+    KVCache,
+    SamplingParams,
+    TurnSample,
+)
+from tasks.specs import PolicySpec
 
 # long enough for the members that are not held to finish together on a loaded machine; the
 # held one waits for its event whatever the grace
@@ -81,3 +96,65 @@ def test_a_members_failure_stays_in_its_slot():
     out = each(fn, 3, Phase.ENV_STEP, grace_s=GRACE)
     assert out[0] == 0 and out[2] == 2
     assert isinstance(out[1], MemberError) and "bad action" in out[1].error
+
+
+def _threads_of(fn):
+    """``fn`` recording the thread each call runs on."""
+    seen: list[int] = []
+
+    def wrapped(*args, **kwargs):
+        seen.append(threading.get_ident())
+        return fn(*args, **kwargs)
+
+    return wrapped, seen
+
+
+def _prefilled(backend, n):
+    obs = [EnvObservation(handle=EnvHandle("w", f"e{i}"), text="", input_ids=[3, 6 + i, 7])
+           for i in range(n)]
+    return [prefill(backend, None, o) for o in obs]
+
+
+def test_one_token_decodes_run_in_the_tasks_own_thread_and_sample_as_they_would_alone(make_backend):
+    backend = make_backend()
+    n, params = 6, [SamplingParams(max_new_tokens=1)] * 6
+    pre = _prefilled(backend, n)
+    fn, seen = _threads_of(decode)
+    out = decode_many(backend, fn, pre, [None] * n, params, list(range(n)), [None] * n,
+                      grace_s=GRACE)
+    assert set(seen) == {threading.get_ident()}  # no forward pass to share: no thread each
+    alone = [decode(backend, pre[i], None, params[i], i) for i in range(n)]
+    assert [o.sample.token_ids for o in out] == [a.sample.token_ids for a in alone]
+
+
+def test_longer_decodes_run_a_thread_each_to_share_the_engines_passes(make_backend):
+    backend = make_backend(stop_ids=[])
+    n, params = 4, [SamplingParams(max_new_tokens=3)] * 4
+    pre = _prefilled(backend, n)
+    fn, seen = _threads_of(decode)
+    before = backend.engine.stats.forward_passes
+    out = decode_many(backend, fn, pre, [None] * n, params, list(range(n)), [None] * n)
+    assert threading.get_ident() not in seen and len(set(seen)) == n
+    assert all(len(o.sample.token_ids) == 3 for o in out)
+    # two tokens run per member (the last is left to the next prefill), in shared passes
+    assert backend.engine.stats.forward_passes - before < 2 * n
+
+
+def test_quick_environments_step_in_the_tasks_own_thread_and_waiting_ones_side_by_side():
+    assert FrozenLakeText.quick_step and not getattr(RemoteLatency, "quick_step", False)
+    _, tok = load_policy(PolicySpec(device="cpu"))
+    lake = {"_component_": "tasks.envs.frozenlake.FrozenLakeText"}
+    specs = {"quick": lake,
+             "remote": {"_component_": "tasks.envs.latency.RemoteLatency", "env": lake,
+                        "step_latency": 0.001}}
+    for kind, spec in specs.items():
+        registry = EnvRegistry("w")
+        obs = [env_reset(registry, tok, spec, i, f"{kind}{i}") for i in range(3)]
+        moves = [DecodeOutput(KVCache("k", [], 0), TurnSample(
+            token_ids=[], logprobs=[], versions=[], text="right", stopped=True,
+            context_full=False, decode_tokens_processed=0, oldest_version=0)) for _ in obs]
+        fn, seen = _threads_of(env_step)
+        out = env_step_many(registry, tok, fn, response_of, obs, moves, grace_s=GRACE)
+        assert all(o.env_steps == 1 for o in out)
+        inline = set(seen) == {threading.get_ident()}
+        assert inline == (kind == "quick"), kind
