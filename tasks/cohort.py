@@ -227,7 +227,7 @@ def _quick_step(registry, obs: Any) -> bool:
         return True
     try:
         return bool(getattr(registry.get(obs.handle.instance_id), "quick_step", False))
-    except Exception:  # not live here: the member's step fails at once
+    except KeyError:  # not live here: the member's step fails at once
         return True
 
 
