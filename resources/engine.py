@@ -339,6 +339,18 @@ def hf_backend(policy: PolicySpec, max_batch: int = 64, batch_wait_s: float = 0.
                      KVStore(capacity))
 
 
+def _check_hf_backend(batch_wait_s: float = 0.0, kv_store_gib: float = KV_STORE_GIB,
+                      hold_s: float = HOLD_S, **_: Any) -> None:
+    """The values of :func:`hf_backend`'s arguments (the config loader calls this)."""
+    for name, value in (("batch_wait_s", batch_wait_s), ("kv_store_gib", kv_store_gib),
+                        ("hold_s", hold_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+hf_backend.check_config = _check_hf_backend  # type: ignore[attr-defined]
+
+
 def backend_context(factory, hardware: HardwareProfile, gpus: int, emulation: dict,
                     engine_id: str = "engine") -> dict[str, Any]:
     """What a backend factory is given beside ``policy`` and ``max_batch``: the worker's

@@ -76,8 +76,14 @@ def check_signature(spec: dict[str, Any], *args: Any, **extra: Any) -> Any:
 
 def check_component(spec: dict[str, Any]) -> Any:
     """Check a component's arguments without building it: they fit its signature, and its
-    optional ``check_config(**kwargs)`` (a static or class method) accepts their values."""
-    obj = check_signature(spec)
+    optional ``check_config(**kwargs)`` (a static or class method, or a factory function's
+    attribute) accepts their values."""
+    return check_values(spec, check_signature(spec))
+
+
+def check_values(spec: dict[str, Any], obj: Any) -> Any:
+    """``obj`` (``spec`` resolved), once its optional ``check_config(**kwargs)`` accepted the
+    values of ``spec``'s arguments."""
     check = getattr(obj, "check_config", None)
     if callable(check):
         check(**kwargs_of(spec))

@@ -21,7 +21,14 @@ from flows.config.overrides import apply_overrides
 from flows.config.rules import check_rules
 from flows.config.schema import TrainConfig
 from resources.catalog import CATALOG
-from tasks.components import COMPONENT, check_component, check_signature, describe, resolve
+from tasks.components import (
+    COMPONENT,
+    check_component,
+    check_signature,
+    check_values,
+    describe,
+    resolve,
+)
 from tasks.reward_service import resolve_reward
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent.parent / "config" / "default.yaml"
@@ -94,9 +101,9 @@ def check_components(cfg: TrainConfig) -> None:
     tensors = [None] * 5  # logp, prox_logp, behaviour_logp, advantages, mask
     checks = [(f"env_tasks.{i}.env", check_component, t.env) for i, t in enumerate(cfg.env_tasks)]
     checks += [
-        ("engine.backend", lambda spec: check_signature(
+        ("engine.backend", lambda spec: check_values(spec, check_signature(
             spec, policy=None, max_batch=1, **backend_context(
-                resolve(spec[COMPONENT]), CATALOG["H800"], 1, emulation(cfg.engine) or {})),
+                resolve(spec[COMPONENT]), CATALOG["H800"], 1, emulation(cfg.engine) or {}))),
          cfg.engine.backend),
         ("trainer.backend", lambda spec: check_signature(spec, policy=None, hparams=None, seed=0,
                                                          loss=None), cfg.trainer.backend),

@@ -70,6 +70,8 @@ def test_config_loads_and_components_resolve(path):
     # staleness bound below what the admission window produces by design
     ("rollout.max_staleness=1", "rollout.max_staleness"),
     ("engine.backend._component_=resources.engine.nope", "engine.backend"),
+    ("engine.backend.hold_s=abc", "hold_s"),  # the hf backend's own check of its values
+    ("engine.backend.batch_wait_s=-1", "batch_wait_s"),
     ("trainer.loss._component_=tasks.losses.nope", "trainer.loss"),
     ("reward.endpoint_url=http://127.0.0.1:1", "reward.endpoint_url"),
     ("cluster.pools.4.role=env", "serverless"),
