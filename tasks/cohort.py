@@ -222,13 +222,15 @@ def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, 
 
 
 def _quick_step(registry, obs: Any) -> bool:
-    """Whether the member's step is quick (its environment's ``quick_step``), or fails at once."""
+    """Whether the member's step is quick (``quick_step`` declared by its environment's own
+    class: a subclass, which may wait in its ``step``, declares it again), or fails at once."""
     if isinstance(obs, MemberError | Deferred):
         return True
     try:
-        return bool(getattr(registry.get(obs.handle.instance_id), "quick_step", False))
+        env = registry.get(obs.handle.instance_id)
     except KeyError:  # not live here: the member's step fails at once
         return True
+    return bool(vars(type(env)).get("quick_step", False))
 
 
 def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,

@@ -9,7 +9,8 @@ without building an instance: the config loader calls it, so a bad value fails a
 environments are only ever built on the workers.
 Optionally, a class attribute ``quick_step = True`` says that a step runs in the worker's own
 code, briefly, and waits for nothing (no remote service, no long compute): a stage task then steps
-its cohort's members one after another instead of a thread each (``tasks/cohort.py``).
+its cohort's members one after another instead of a thread each (``tasks/cohort.py``). It counts
+only on the class that declares it: a subclass, whose ``step`` may wait, declares it again.
 """
 
 from __future__ import annotations
