@@ -65,6 +65,21 @@ class Deferred:
     index: int
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A look-ahead turn whose turn before ended the episode (done, or the context full):
+    nothing ran, and the driver ignores it."""
+
+
+ENDED = Ended()
+
+
+def ended(obs: Any) -> bool:
+    """Whether ``obs`` (a turn's answer) ends its episode whatever the driver makes of it."""
+    return bool(getattr(obs, "done", False) or getattr(getattr(obs, "sample", None),
+                                                       "context_full", False))
+
+
 @dataclass
 class MemberError:
     """A member's stage raised: its type and message (the others went on)."""
@@ -175,10 +190,10 @@ def _shape(shape: Any) -> dict:
     return {"shape": shape} if shape is not None else {}
 
 
-def _failed(*values: Any) -> MemberError | Deferred | None:
-    """An input that ends the member's stage at once: an earlier failure, or an earlier stage
-    still running (passed on to the driver)."""
-    return next((v for v in values if isinstance(v, MemberError | Deferred)), None)
+def _failed(*values: Any) -> MemberError | Deferred | Ended | None:
+    """An input that ends the member's stage at once: an earlier failure, an earlier stage
+    still running (passed on to the driver), or an episode already over."""
+    return next((v for v in values if isinstance(v, MemberError | Deferred | Ended)), None)
 
 
 def env_reset_many(registry, tokenizer, reset_fn, specs: list[dict], seeds: list[int],
@@ -203,6 +218,8 @@ def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: l
                  grace_s: float | None = None) -> list:
     def one(i):
         past, obs = pick(pasts[i]), pick(observations[i])
+        if ended(obs):  # a look-ahead turn after the episode's last
+            return ENDED
         return _failed(past, obs) or prefill_fn(backend, past, obs, **_shape(shapes[i]))
 
     return _on_backend(backend, one, len(observations), Phase.PREFILL, grace_s)
@@ -224,7 +241,7 @@ def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, 
 def _quick_step(registry, obs: Any) -> bool:
     """Whether the member's step is quick (``quick_step`` declared by its environment's own
     class: a subclass, which may wait in its ``step``, declares it again), or fails at once."""
-    if isinstance(obs, MemberError | Deferred):
+    if isinstance(obs, MemberError | Deferred | Ended):
         return True
     try:
         env = registry.get(obs.handle.instance_id)

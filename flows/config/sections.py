@@ -89,6 +89,12 @@ class RolloutConfig(Section):
         default=False, description="A cohort holds one env task, so every task's Dask span "
         "names its env task (exact time per env task in Fine Performance Metrics) at the cost "
         "of more, smaller tasks; false: a cohort mixing env tasks carries the span 'mixed'")
+    lookahead: bool = Field(
+        default=True, description="Each trajectory's next turn is submitted with its turn in "
+        "flight and reads that turn's results through Dask, so it starts as soon as they exist "
+        "instead of after the driver's round trip (a turn that ended the episode leaves the "
+        "next one nothing to do). Turns of env tasks with emulated lengths (shape) are placed "
+        "one at a time, and the env_barrier baseline waits by design: neither looks ahead")
     turn_placement: TurnPlacement = Field(
         default=TurnPlacement.SPLIT, description="split: every turn's prefill on the compute pool and "
         "decode on the bandwidth pool | length_aware: per turn, split or keep it on one pool, "

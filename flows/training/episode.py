@@ -89,6 +89,9 @@ class RolloutRecord:
     turn_past: Any = None
     turn_obs: Any = None
     turn_submitted: float = 0.0
+    turn_step: Any = None  # the turn in flight's env_step: (its cohort's future, the index)
+    # its next turn, submitted ahead (rollout.lookahead): (the Cohort, the index, its TurnShape)
+    ahead: Any = None
 
     @property
     def evaluation(self) -> bool:
@@ -105,7 +108,7 @@ class RolloutRecord:
     def reset_record(self) -> None:
         self.turn = 0
         self.last_decode = self.kv_worker = self.env_reset = None
-        self.next_obs = None
+        self.next_obs = self.turn_step = self.ahead = None
         self.tokens, self.mask, self.logprobs, self.versions = [], [], [], []
         self.forward_oldest = None
         self.env_rewards, self.responses, self.env_step_s, self.handle = [], [], 0.0, None

@@ -13,7 +13,12 @@ orchestration whatever it computes, so this is what lets the embedded default's 
 turns run at the speed of a single-process loop; ``cohort_max: 1`` submits every trajectory's
 turn on its own. A cohort is no barrier: a stage returns with the members done, the others go
 on in the background and the driver continues them as soon as the stage's answer reaches it
-(``rollout.cohort_barrier: true`` makes every stage wait for all its members instead). The
+(``rollout.cohort_barrier: true`` makes every stage wait for all its members instead).
+With ``rollout.lookahead`` each trajectory's next turn is submitted while its turn is in flight,
+reading that turn's results as futures (a look-ahead cohort): the driver's round trip between
+two turns is off the trajectory's path. When the turn comes back the driver makes the next one
+the member's turn in flight (and submits the one after), or, the episode over or the turn
+failed or left running, gives it up: its results are ignored. The
 tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups them by stage
 and a restarted trajectory never picks up an old key's result. Every change of a trajectory's
 state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`. What a fault does (a
@@ -23,8 +28,9 @@ worker lost, a turn overdue, a member failed: restart or drop) is decided by
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distributed import Client, Future
 
@@ -41,7 +47,7 @@ from flows.training.turn_tasks import Cohort, CohortKey, Resume, TurnLog, TurnTa
 from flows.training.workload import turn_shape
 from resources.device_model import DeviceModel
 from resources.pools import Tag
-from tasks.cohort import Deferred, MemberError, Phase
+from tasks.cohort import Deferred, Ended, MemberError, Phase
 from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
 from tasks.stages import Stages
 
@@ -98,6 +104,15 @@ class RolloutDriver:
         self.timings = TurnTimings()  # each trajectory's turns, for its step's critical path
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
+        self.lookahead = cfg.rollout.lookahead and not cfg.rollout.env_barrier
+        # trajectories whose look-ahead turn became their turn in flight: the turn after it
+        # is submitted ahead with the next flush
+        self._chain: list[RolloutRecord] = []
+        # look-ahead turns' results that came back before the turn before: by trajectory
+        self._early: dict[int, tuple[object, DropReason]] = {}
+        # ended trajectories whose environment closes once their look-ahead turn, which may
+        # still step it, came back (or was given up): by that turn's env_step key
+        self._closes_after: dict[str, list[RolloutRecord]] = {}
 
     @property
     def waiting(self) -> int:
@@ -182,6 +197,7 @@ class RolloutDriver:
             groups.setdefault(key, []).append((rec, shape))
         size = self.cfg.rollout.cohort_max
         futures = self._continue()
+        chain, self._chain = self._chain, []
         for key, members in groups.items():
             for i in range(0, len(members), size):
                 recs = [rec for rec, _ in members[i:i + size]]
@@ -189,6 +205,35 @@ class RolloutDriver:
                                            self._params(recs))
                 self._cohorts[cohort.step.key] = cohort
                 futures.append(cohort.step)
+                chain += recs
+        return futures + self._look_ahead(chain)
+
+    def _looks_ahead(self, rec: RolloutRecord) -> bool:
+        """Whether ``rec``'s next turn goes ahead now: its turn is in flight with none ahead
+        yet, its lengths are real ones, training goes on, and none of its workers left."""
+        return (self.lookahead and rec.ahead is None and rec.env_task.shape is None
+                and self.live.get(rec.traj_id) is rec and rec.turn_step is not None
+                and rec.turn_step[0].key in self._cohorts
+                and (rec.evaluation or not self.stopping)
+                and not any(self.faults.is_lost(w) for w in rec.turn_key_workers()))
+
+    def _look_ahead(self, recs: list[RolloutRecord]) -> list[Future]:
+        """Submit the next turn of ``recs`` (those it suits) ahead, as cohorts of members
+        whose turns in flight share their workers; the futures to wait on."""
+        groups: dict[CohortKey, list[RolloutRecord]] = {}
+        for rec in recs:
+            if self._looks_ahead(rec):
+                groups.setdefault(replace(rec.turn_key, fresh=False), []).append(rec)
+        size, futures = self.cfg.rollout.cohort_max, []
+        for key, members in groups.items():
+            for i in range(0, len(members), size):
+                part = members[i:i + size]
+                cohort = self.tasks.cohort(key, part, [None] * len(part), self._params(part),
+                                           ahead=True)
+                self._cohorts[cohort.step.key] = cohort
+                futures.append(cohort.step)
+                for j, rec in enumerate(part):
+                    rec.ahead = (cohort, j)
         return futures
 
     def _continue(self) -> list[Future]:
@@ -260,29 +305,69 @@ class RolloutDriver:
         :class:`tasks.cohort.MemberError` (None: the whole cohort failed or was lost)."""
         cohort = self._cohorts.pop(fut.key)
         now = time.time()
+        for rec in self._closes_after.pop(fut.key, []):
+            self._close_now(rec)
         results, reason = self.faults.results(fut, results, len(cohort.traj_ids))
         out = TurnOutcome()
         for tid, res in zip(cohort.traj_ids, results, strict=True):
-            rec = self.live[tid]
-            if isinstance(res, Deferred):  # still running there: continued with the next flush
-                self._resumes.setdefault((res.phase, res.handle), []).append((rec, res.index))
-                self.timings.deferred(trajectory_key(tid, rec.attempt), cohort.suffix,
-                                      res.phase.value)
-                continue
-            self._release(rec)
-            if isinstance(res, MemberError):
-                self._member_failed(rec, res.error, out, reason)
-            else:
-                rec.env_reset = None
-                timing = self.timings.turn(
-                    trajectory_key(tid, rec.attempt), rec.turn, cohort.submitted, now,
-                    (rec.env_worker, rec.prefill_worker, rec.decode_worker), cohort.suffix, res)
-                self.turns.record(rec, res, cohort, now, [leg for leg, _stage in timing.legs])
-                self.placer.turn_done(rec.env_task.name, res, rec.last_shape, rec.turn == 0)
-                self._member_stepped(rec, res, out)
+            rec = self.live.get(tid)
+            if rec is None or rec.turn_step is None or rec.turn_step[0].key != fut.key:
+                if rec is not None and rec.ahead is not None and rec.ahead[0] is cohort:
+                    self._early[tid] = (res, reason)  # the turn before is still to come back
+                continue  # a look-ahead turn given up: nothing of it counts
+            self._member_result(rec, cohort, res, reason, now, out)
         return out
 
-    def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome) -> None:
+    def _member_result(self, rec: RolloutRecord, cohort: Cohort, res: object,
+                       reason: DropReason, now: float, out: TurnOutcome) -> None:
+        """The answer of ``rec``'s turn in flight (a member of ``cohort``)."""
+        if isinstance(res, Deferred):  # still running there: continued with the next flush
+            self._void_ahead(rec)
+            self._resumes.setdefault((res.phase, res.handle), []).append((rec, res.index))
+            self.timings.deferred(trajectory_key(rec.traj_id, rec.attempt), cohort.suffix,
+                                  res.phase.value)
+            return
+        self._release(rec)
+        if isinstance(res, Ended):  # cannot happen: it went ahead only as the episode went on
+            res = MemberError("Ended: a turn ran after the end of its episode")
+        if isinstance(res, MemberError):
+            self._member_failed(rec, res.error, out, reason)
+            return
+        rec.env_reset = None
+        timing = self.timings.turn(
+            trajectory_key(rec.traj_id, rec.attempt), rec.turn, cohort.submitted, now,
+            (rec.env_worker, rec.prefill_worker, rec.decode_worker), cohort.suffix, res)
+        self.turns.record(rec, res, cohort, now, [leg for leg, _stage in timing.legs])
+        self.placer.turn_done(rec.env_task.name, res, rec.last_shape, rec.turn == 0)
+        self._member_stepped(rec, res, out, now)
+
+    def _promote(self, rec: RolloutRecord, now: float, out: TurnOutcome) -> None:
+        """``rec``'s look-ahead turn becomes its turn in flight (the one after it goes ahead
+        with the next flush); its answer, if it came back first, is taken now."""
+        cohort, i = rec.ahead
+        rec.ahead = None
+        if cohort.ahead:  # its first member to go on: from now it is a turn in flight
+            cohort.ahead, cohort.submitted = False, now
+        key = cohort.key
+        rec.turn_key, rec.turn_past, rec.turn_obs = key, rec.last_decode, rec.turn_step
+        rec.turn_submitted, rec.last_shape = now, None
+        rec.turn_step, rec.last_decode = (cohort.step, i), (cohort.decode, i)
+        rec.prefill_worker, rec.decode_worker = key.prefill_worker, key.decode_worker
+        rec.kv_worker = key.decode_worker
+        for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
+            self.pool_workers.started(w)
+        self._chain.append(rec)
+        early = self._early.pop(rec.traj_id, None)
+        if early is not None:
+            self._member_result(rec, cohort, *early, now, out)
+
+    def _void_ahead(self, rec: RolloutRecord) -> None:
+        """Give up ``rec``'s look-ahead turn (its results, whenever they come, are ignored)."""
+        rec.ahead = None
+        self._early.pop(rec.traj_id, None)
+
+    def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome,
+                        now: float) -> None:
         self.faults.stepped()
         rec.record_turn(obs)
         over, context_limited = turn_ends(rec, obs, self.sampling[rec.env_task.name]
@@ -291,6 +376,7 @@ class RolloutDriver:
             self.placer.lengths.finished(rec.env_task.name, rec.turn)
             if context_limited and not obs.done:
                 self.close_env(rec)
+            self._void_ahead(rec)
             if context_limited:
                 self.truncated["context"] += 1
             elif obs.truncated:
@@ -305,8 +391,11 @@ class RolloutDriver:
             out.dropped.append(rec)
         else:
             rec.next_obs = obs
-            (self._held if self.cfg.rollout.env_barrier and not rec.evaluation
-             else self._ready).append(rec)
+            if rec.ahead is not None:  # its next turn is on its way already
+                self._promote(rec, now, out)
+            else:
+                (self._held if self.cfg.rollout.env_barrier and not rec.evaluation
+                 else self._ready).append(rec)
 
     def _release_barrier(self) -> None:
         """Batch-level environment handling (a baseline): the held turns go on together once
@@ -322,6 +411,7 @@ class RolloutDriver:
         fresh environment while attempts remain, else drop it with ``reason`` (the faults
         decide, :meth:`flows.training.rollout_faults.RolloutFaults.failed`)."""
         self.close_env(rec)
+        self._void_ahead(rec)
         if self.faults.failed(rec, error, reason, self.stopping):
             rec.attempt += 1
             rec.reset_record()
@@ -331,16 +421,26 @@ class RolloutDriver:
         out.dropped.append(rec)
 
     def _drop(self, rec: RolloutRecord, reason: DropReason, detail: str = "") -> None:
+        self._void_ahead(rec)
         del self.live[rec.traj_id]
         self.ledger.drop(rec.traj_id, reason, detail)
 
     def holds(self, worker: str) -> bool:
         """Live trajectories have environment instances on ``worker`` (or closes pending)."""
         return (any(r.env_worker == worker for r in self.live.values())
+                or any(r.env_worker == worker for rs in self._closes_after.values() for r in rs)
                 or self.tasks.closing_on(worker))
 
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
+        ahead = rec.ahead[0].step.key if rec.ahead is not None else None
+        if ahead in self._cohorts:  # after its look-ahead turn, which may still step it
+            # (as it is now: a restart reuses the record)
+            self._closes_after.setdefault(ahead, []).append(copy.copy(rec))
+            return None
+        return self._close_now(rec)
+
+    def _close_now(self, rec: RolloutRecord) -> Future | None:
         if rec.handle is None or self.faults.is_lost(rec.handle.worker):
             return None  # never placed, or lost with its worker
         return self.tasks.close_env(rec)
@@ -348,7 +448,9 @@ class RolloutDriver:
     def close_all(self) -> None:
         """An aborted run: close every live trajectory's environment instance; nothing more is
         submitted."""
-        self._ready, self._held, self._resumes = [], [], {}
-        for rec in list(self.live.values()):
-            self.close_env(rec)
+        self._ready, self._held, self._resumes, self._chain = [], [], {}, []
+        waiting, self._closes_after = self._closes_after, {}
+        for rec in [r for rs in waiting.values() for r in rs] + list(self.live.values()):
+            self._void_ahead(rec)
+            self._close_now(rec)
             rec.handle = None

@@ -83,12 +83,16 @@ class RolloutFaults:
             return []
         now, late = time.time(), []
         for key, cohort in cohorts.items():
-            if key in self._abandoned or now - cohort.submitted < timeout_s:
+            # a look-ahead turn counts from when it became a turn in flight
+            if key in self._abandoned or cohort.ahead or now - cohort.submitted < timeout_s:
                 continue
-            env_w = live[cohort.traj_ids[0]].env_worker
+            members = [live[t] for t in cohort.traj_ids if t in live]
+            if not members:  # nobody's turn any more (a look-ahead turn given up)
+                continue
+            env_w = members[0].env_worker
             if cohort.decode is None or cohort.decode.status == "finished":  # None: past it
                 where = (f"environment {cohort.env_task} on {env_w} (instances "
-                         f"{[live[t].handle.instance_id for t in cohort.traj_ids][:4]})")
+                         f"{[r.handle.instance_id for r in members if r.handle][:4]})")
             else:
                 where = f"prefill/decode of {cohort.env_task} (env_step-{cohort.suffix})"
             logger.warning("watchdog: %s did not answer within %.0f s", where, timeout_s)

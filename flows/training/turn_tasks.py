@@ -3,7 +3,11 @@
 with one slot of its stage's resource; and the environment closes of ended trajectories.
 
 Futures are the tasks' arguments, so the cache handle moves worker to worker and never through
-the driver, which waits on the cohort's ``env_step`` alone. Members a stage left running in the
+the driver, which waits on the cohort's ``env_step`` alone. A *look-ahead* cohort is the members'
+next turn, submitted while their turn is in flight: it reads that turn's ``env_step`` and
+``decode`` results as futures, so Dask starts it the moment they exist, without the driver's
+round trip; a member whose episode that turn ended does nothing in it
+(:class:`tasks.cohort.Ended`). Members a stage left running in the
 background (:mod:`tasks.cohort`) come back as markers; :meth:`TurnTasks.cohort` with a
 :class:`Resume` continues them: a ``collect`` on the worker running them (its key carries the
 stage's name, so the dashboard shows it as that stage), then the later stages. Keys are
@@ -80,6 +84,15 @@ class Cohort:
     decode: Future | None  # None: a continuation past its decode
     workers: frozenset[str]  # every worker it runs on or reads a cache from
     env_task: str
+    key: CohortKey | None = None
+    # a look-ahead turn's prefill, held: cancelling the turn before also cancels its dependent
+    # tasks, and Dask's scheduler (distributed 2026.8) fails on a dependent no client wants
+    # (``assert ts.who_wants`` in ``Scheduler.stimulus_cancel``), which ends the client's
+    # connection
+    prefill: Future | None = None
+    # a look-ahead turn, not yet any member's turn in flight (the driver makes it theirs when
+    # the turn before comes back; the watchdog leaves it alone until then)
+    ahead: bool = False
 
 
 class TurnTasks:
@@ -106,19 +119,25 @@ class TurnTasks:
             return submit_on(self.client, worker, stage, adapter, fn, *args, key=key, tag=tag)
 
     def cohort(self, key: CohortKey, recs: list[RolloutRecord], shapes: list[TurnShape | None],
-               params: list[SamplingParams], resume: Resume | None = None) -> Cohort:
+               params: list[SamplingParams], resume: Resume | None = None,
+               ahead: bool = False) -> Cohort:
         """env_reset (new trajectories) -> prefill -> decode -> env_step, for the members; or,
-        with ``resume``, a ``collect`` of the stage they were left running, then the rest."""
+        with ``resume``, a ``collect`` of the stage they were left running, then the rest;
+        or, ``ahead``, prefill -> decode -> env_step of the turn after the members' turn in
+        flight, reading its results (the members' records are left as they are: the driver
+        makes it their turn when the one before comes back)."""
         # the span of the cohort's tasks: its env task, or "mixed" when it holds several
         env_task = recs[0].env_task.name
         if any(r.env_task.name != env_task for r in recs):
             env_task = MIXED_SPAN
-        if len(recs) == 1 and resume is None:
+        if len(recs) == 1 and resume is None and not ahead:
             r = recs[0]
             suffix = f"{r.traj_id}-{r.turn}-{r.attempt}{self.key_tag}"
-        else:
+        else:  # (a look-ahead turn may be given up and its turn submitted again: a key of its own)
             suffix = f"c{self._next_cohort}-{len(recs)}-0{self.key_tag}"
         self._next_cohort += 1
+        if ahead:
+            return self._ahead(key, recs, shapes, params, suffix, env_task)
         if resume is None:  # a new turn: what it reads, kept for its continuations
             now = time.time()
             for r in recs:
@@ -167,11 +186,37 @@ class TurnTasks:
                 r.kv_worker = key.decode_worker
         step = submit(Phase.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
                       observations, dec)
+        for i, r in enumerate(recs):
+            r.turn_step = (step, i)
         # the workers holding the members' caches so far are needed too
         held = {key.env_worker, key.prefill_worker, key.decode_worker} | {
             r.kv_worker for r in recs if r.kv_worker}
         return Cohort([r.traj_id for r in recs], suffix, recs[0].turn_submitted, step, dec,
-                      frozenset(held), env_task)
+                      frozenset(held), env_task, key)
+
+    def _ahead(self, key: CohortKey, recs: list[RolloutRecord], shapes: list[TurnShape | None],
+               params: list[SamplingParams], suffix: str, env_task: str) -> Cohort:
+        """The members' next turn, on the workers of their turn in flight, reading its
+        observation (``turn_step``) and cache (``last_decode``)."""
+        st = self.stages
+
+        def submit(stage: Stage, adapter, fn, *args, worker: str, tag: Tag | None = None):
+            return self._submit(stage, adapter, fn, *args, self.grace_s, worker=worker, tag=tag,
+                                key=f"{stage}-{suffix}", env_task=env_task)
+
+        observations = [r.turn_step for r in recs]
+        pasts = [r.last_decode for r in recs]
+        pre = submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts, observations,
+                     shapes, worker=key.prefill_worker, tag=key.prefill_tag)
+        seeds = [decode_seed(self.run_seed, r.traj_id, r.turn + 1, r.attempt) for r in recs]
+        dec = submit(Stage.DECODE, with_backend, decode_many, st.decode, pre, pasts, params,
+                     seeds, shapes, worker=key.decode_worker, tag=key.decode_tag)
+        step = submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
+                      observations, dec, worker=key.env_worker)
+        held = {key.env_worker, key.prefill_worker, key.decode_worker} | {
+            r.kv_worker for r in recs if r.kv_worker}
+        return Cohort([r.traj_id for r in recs], suffix, time.time(), step, dec,
+                      frozenset(held), env_task, key, prefill=pre, ahead=True)
 
     # -- environment closes ------------------------------------------------------------------
     def close_env(self, rec: RolloutRecord) -> Future:

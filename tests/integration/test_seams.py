@@ -231,9 +231,10 @@ def test_batch_level_environment_handling_holds_each_turn_for_the_whole_batch(tm
         run_training(cfg, run_dir, dashboard=lambda line: None)
         turns = json.loads((run_dir / "task_stream.json").read_text())["turns"]
         submitted, answered = {}, {}
-        for legs, sent, back, _waited, _trajectory in turns:
-            # one cohort per turn, "{trajectory}-{turn}-{attempt}@{run tag}"
-            _tid, turn, _attempt = (int(x) for x in legs.split("@")[0].split("-"))
+        seen: dict[str, int] = {}
+        for _legs, sent, back, _waited, trajectory in turns:
+            # a trajectory's turns are recorded in order
+            turn = seen[trajectory] = seen.get(trajectory, -1) + 1
             submitted.setdefault(turn, []).append(sent)
             answered.setdefault(turn, []).append(back)
         return submitted, answered
@@ -309,3 +310,59 @@ def test_a_cohorts_straggler_holds_no_one_unless_the_barrier_baseline_is_asked_f
 
     assert all(n == 1 for n in answers_per_cohort_turn(barrier=True))
     assert any(n > 1 for n in answers_per_cohort_turn(barrier=False))
+
+
+def _look_ahead_run(tmp_path, lookahead: bool, *overrides: str) -> tuple[dict, dict]:
+    run_dir = tmp_path / f"lookahead-{lookahead}"
+    cfg = load_config(overrides=[*QUIET, "mode=sync", "trainer.max_steps=1",
+                                 "trainer.groups_per_step=2", "reward.backend=local",
+                                 "cluster.processes=false", "metrics.task_stream=true",
+                                 f"rollout.lookahead={str(lookahead).lower()}", *overrides])
+    summary = run_training(cfg, run_dir, dashboard=lambda line: None)
+    import json
+    return summary, json.loads((run_dir / "task_stream.json").read_text())
+
+
+def _in_flight_when_the_turn_before_answered(stream: dict) -> list[bool]:
+    """Per turn after a trajectory's first (the driver's clock): whether it was the
+    trajectory's turn in flight from the moment the turn before answered (a look-ahead turn
+    made the trajectory's own then) rather than submitted by a later pass of the driver."""
+    last: dict[str, float] = {}
+    out = []
+    for _legs, submitted, answered, _waited, trajectory in stream["turns"]:
+        if trajectory in last:
+            out.append(submitted == last[trajectory])
+        last[trajectory] = answered
+    return out
+
+
+def test_a_trajectorys_next_turn_goes_ahead_of_the_drivers_round_trip(tmp_path):
+    """rollout.lookahead: a trajectory's next turn is submitted with its turn in flight, so
+    it is on its way when the turn's answer reaches the driver; the look-ahead turns after an
+    episode's end do nothing, and every instance is closed. (The task stream cannot show it
+    starting before the driver took the answer: its workers' clocks are shifted by Dask's
+    estimate of their offsets, which differ by more than a turn.)"""
+    ahead, stream = _look_ahead_run(tmp_path, True)
+    plain, plain_stream = _look_ahead_run(tmp_path, False)
+    for summary in (ahead, plain):
+        assert summary["trajectories"]["trained"] == 16
+        assert summary["live_env_instances_at_end"] == 0
+    # (a member a stage left running goes on with a continuation, then a turn submitted anew)
+    went_ahead = _in_flight_when_the_turn_before_answered(stream)
+    assert went_ahead and sum(went_ahead) > len(went_ahead) / 2
+    assert not any(_in_flight_when_the_turn_before_answered(plain_stream))
+    # per ended trajectory one turn after its last went ahead and did nothing: more prefill
+    # tasks for the same turns
+    assert (ahead["rollout_tasks_submitted"]["prefill"]
+            > plain["rollout_tasks_submitted"]["prefill"])
+
+
+def test_a_look_ahead_turn_after_a_context_cut_steps_before_the_instance_closes(tmp_path):
+    """A trajectory cut by the context limit ends in the driver, not in its environment: its
+    look-ahead turn runs, and the instance is closed only after it (none is left, and no
+    look-ahead turn fails on a closed instance)."""
+    summary, _stream = _look_ahead_run(tmp_path, True, "policy.max_context=64")
+    t = summary["trajectories"]
+    assert t["trained"] == 16 and t["started"] == 16
+    assert summary["final_metrics"]["rollout/truncated"] > 0
+    assert summary["live_env_instances_at_end"] == 0

@@ -3,6 +3,7 @@
 import threading
 
 from tasks.cohort import (
+    ENDED,
     Deferred,
     MemberError,
     Phase,
@@ -11,6 +12,7 @@ from tasks.cohort import (
     each,
     env_step_many,
     pending_members,
+    prefill_many,
 )
 from tasks.env_steps import EnvRegistry, env_reset, env_step
 from tasks.envs.frozenlake import FrozenLakeText
@@ -158,3 +160,31 @@ def test_quick_environments_step_in_the_tasks_own_thread_and_waiting_ones_side_b
         assert all(o.env_steps == 1 for o in out)
         inline = set(seen) == {threading.get_ident()}
         assert inline == (kind == "quick"), kind
+
+
+def test_a_look_ahead_turn_after_the_episodes_end_runs_nothing_and_says_so():
+    """The members' next turn, submitted ahead: a member whose turn before ended its episode
+    (done, or the context full) is not prefilled, decoded or stepped; its mates are."""
+    def sample(context_full=False):
+        return TurnSample(token_ids=[5], logprobs=[0.0], versions=[0], text="right",
+                          stopped=False, context_full=context_full, decode_tokens_processed=0)
+
+    done = EnvObservation(EnvHandle("w", "a"), "", [3], terminated=True, sample=sample())
+    full = EnvObservation(EnvHandle("w", "b"), "", [3], sample=sample(context_full=True))
+    going = EnvObservation(EnvHandle("w", "c"), "", [3, 4], sample=sample())
+    ran = []
+
+    def prefill_fn(backend, past, obs):
+        ran.append(obs.handle.instance_id)
+        return "kv"
+
+    turns = [done, full, going]
+    pre = prefill_many(None, prefill_fn, [None] * 3, [(turns, i) for i in range(3)],
+                       [None] * 3, grace_s=GRACE)
+    assert pre == [ENDED, ENDED, "kv"] and ran == ["c"]
+    out = decode_many(None, lambda *a: "tokens", pre, [None] * 3, [None] * 3, [1, 2, 3],
+                      [None] * 3, grace_s=GRACE)
+    assert out == [ENDED, ENDED, "tokens"]
+    steps = env_step_many(EnvRegistry("w"), None, lambda *a: "stepped", lambda d: d, turns, out,
+                          grace_s=GRACE)
+    assert steps == [ENDED, ENDED, "stepped"]
