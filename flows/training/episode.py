@@ -90,7 +90,7 @@ class RolloutRecord:
     turn_obs: Any = None
     turn_submitted: float = 0.0
     turn_step: Any = None  # the turn in flight's env_step: (its cohort's future, the index)
-    # its next turn, submitted ahead (rollout.lookahead): (the Cohort, the index, its TurnShape)
+    # its next turn, submitted ahead (rollout.lookahead): (its Cohort, the index in it)
     ahead: Any = None
 
     @property
