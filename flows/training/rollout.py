@@ -195,18 +195,26 @@ class RolloutDriver:
             key = CohortKey(rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
                             plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
-        size = self.cfg.rollout.cohort_max
         futures = self._continue()
         chain, self._chain = self._chain, []
+        for cohort in self._submit(groups):
+            futures.append(cohort.step)
+            chain += [self.live[tid] for tid in cohort.traj_ids]
+        return futures + self._look_ahead(chain)
+
+    def _submit(self, groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]],
+                ahead: bool = False) -> list[Cohort]:
+        """Each group's members as cohorts of at most ``rollout.cohort_max``, registered;
+        ``ahead``: their next turns (:meth:`TurnTasks.cohort`)."""
+        size, cohorts = self.cfg.rollout.cohort_max, []
         for key, members in groups.items():
             for i in range(0, len(members), size):
                 recs = [rec for rec, _ in members[i:i + size]]
                 cohort = self.tasks.cohort(key, recs, [s for _, s in members[i:i + size]],
-                                           self._params(recs))
+                                           self._params(recs), ahead=ahead)
                 self._cohorts[cohort.step.key] = cohort
-                futures.append(cohort.step)
-                chain += recs
-        return futures + self._look_ahead(chain)
+                cohorts.append(cohort)
+        return cohorts
 
     def _looks_ahead(self, rec: RolloutRecord) -> bool:
         """Whether ``rec``'s next turn goes ahead now: its turn is in flight with none ahead
@@ -220,21 +228,15 @@ class RolloutDriver:
     def _look_ahead(self, recs: list[RolloutRecord]) -> list[Future]:
         """Submit the next turn of ``recs`` (those it suits) ahead, as cohorts of members
         whose turns in flight share their workers; the futures to wait on."""
-        groups: dict[CohortKey, list[RolloutRecord]] = {}
+        groups: dict[CohortKey, list[tuple[RolloutRecord, None]]] = {}
         for rec in recs:
             if self._looks_ahead(rec):
-                groups.setdefault(replace(rec.turn_key, fresh=False), []).append(rec)
-        size, futures = self.cfg.rollout.cohort_max, []
-        for key, members in groups.items():
-            for i in range(0, len(members), size):
-                part = members[i:i + size]
-                cohort = self.tasks.cohort(key, part, [None] * len(part), self._params(part),
-                                           ahead=True)
-                self._cohorts[cohort.step.key] = cohort
-                futures.append(cohort.step)
-                for j, rec in enumerate(part):
-                    rec.ahead = (cohort, j)
-        return futures
+                groups.setdefault(replace(rec.turn_key, fresh=False), []).append((rec, None))
+        cohorts = self._submit(groups, ahead=True)
+        for cohort in cohorts:
+            for j, tid in enumerate(cohort.traj_ids):
+                self.live[tid].ahead = (cohort, j)
+        return [cohort.step for cohort in cohorts]
 
     def _continue(self) -> list[Future]:
         """Submit the continuations of the members stages left running, on their workers."""

@@ -95,6 +95,12 @@ class Cohort:
     ahead: bool = False
 
 
+def _workers(key: CohortKey, recs: list[RolloutRecord]) -> frozenset[str]:
+    """Every worker a cohort runs on, and those holding its members' caches so far."""
+    return frozenset({key.env_worker, key.prefill_worker, key.decode_worker}
+                     | {r.kv_worker for r in recs if r.kv_worker})
+
+
 class TurnTasks:
     """Submits the turns' and the closes' tasks of one rollout driver; counts them by stage."""
 
@@ -188,11 +194,8 @@ class TurnTasks:
                       observations, dec)
         for i, r in enumerate(recs):
             r.turn_step = (step, i)
-        # the workers holding the members' caches so far are needed too
-        held = {key.env_worker, key.prefill_worker, key.decode_worker} | {
-            r.kv_worker for r in recs if r.kv_worker}
         return Cohort([r.traj_id for r in recs], suffix, recs[0].turn_submitted, step, dec,
-                      frozenset(held), env_task, key)
+                      _workers(key, recs), env_task, key)
 
     def _ahead(self, key: CohortKey, recs: list[RolloutRecord], shapes: list[TurnShape | None],
                params: list[SamplingParams], suffix: str, env_task: str) -> Cohort:
@@ -213,10 +216,8 @@ class TurnTasks:
                      seeds, shapes, worker=key.decode_worker, tag=key.decode_tag)
         step = submit(Stage.ENV_STEP, with_envs, env_step_many, st.env_step, st.response,
                       observations, dec, worker=key.env_worker)
-        held = {key.env_worker, key.prefill_worker, key.decode_worker} | {
-            r.kv_worker for r in recs if r.kv_worker}
         return Cohort([r.traj_id for r in recs], suffix, time.time(), step, dec,
-                      frozenset(held), env_task, key, prefill=pre, ahead=True)
+                      _workers(key, recs), env_task, key, prefill=pre, ahead=True)
 
     # -- environment closes ------------------------------------------------------------------
     def close_env(self, rec: RolloutRecord) -> Future:
