@@ -106,8 +106,10 @@ class RolloutDriver:
         self._held: list[RolloutRecord] = []
         self.lookahead = cfg.rollout.lookahead and not cfg.rollout.env_barrier
         # trajectories whose look-ahead turn became their turn in flight: the turn after it
-        # is submitted ahead with the next flush
-        self._chain: list[RolloutRecord] = []
+        # is submitted ahead with the next flush (by id: a turn in flight may have come back
+        # meanwhile, and the one submitted then is a trajectory's own in flight too; its turn
+        # after goes ahead once, or its environment would be stepped twice)
+        self._chain: dict[int, RolloutRecord] = {}
         # look-ahead turns' results that came back before the turn before: by trajectory
         self._early: dict[int, tuple[object, DropReason]] = {}
         # ended trajectories whose environment closes once their look-ahead turn, which may
@@ -196,11 +198,11 @@ class RolloutDriver:
                             plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         futures = self._continue()
-        chain, self._chain = self._chain, []
+        chain, self._chain = self._chain, {}
         for cohort in self._submit(groups):
             futures.append(cohort.step)
-            chain += [self.live[tid] for tid in cohort.traj_ids]
-        return futures + self._look_ahead(chain)
+            chain.update((tid, self.live[tid]) for tid in cohort.traj_ids)
+        return futures + self._look_ahead(list(chain.values()))
 
     def _submit(self, groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]],
                 ahead: bool = False) -> list[Cohort]:
@@ -358,7 +360,7 @@ class RolloutDriver:
         rec.kv_worker = key.decode_worker
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
             self.pool_workers.started(w)
-        self._chain.append(rec)
+        self._chain[rec.traj_id] = rec
         early = self._early.pop(rec.traj_id, None)
         if early is not None:
             self._member_result(rec, cohort, *early, now, out)
@@ -450,7 +452,7 @@ class RolloutDriver:
     def close_all(self) -> None:
         """An aborted run: close every live trajectory's environment instance; nothing more is
         submitted."""
-        self._ready, self._held, self._resumes, self._chain = [], [], {}, []
+        self._ready, self._held, self._resumes, self._chain = [], [], {}, {}
         waiting, self._closes_after = self._closes_after, {}
         for rec in [r for rs in waiting.values() for r in rs] + list(self.live.values()):
             self._void_ahead(rec)

@@ -366,3 +366,31 @@ def test_a_look_ahead_turn_after_a_context_cut_steps_before_the_instance_closes(
     assert t["trained"] == 16 and t["started"] == 16
     assert summary["final_metrics"]["rollout/truncated"] > 0
     assert summary["live_env_instances_at_end"] == 0
+
+
+def test_a_look_ahead_turn_answering_with_its_turn_before_steps_each_environment_once(
+        tmp_path, monkeypatch):
+    """Finished turns reach the driver in any order and in any grouping (Dask runs each
+    future's callback on a thread of its own). Here every batch waits until all that is in
+    flight finished, a look-ahead turn with the turn before it, and is taken newest first: the
+    look-ahead answer comes first. Each trajectory's next turn still goes ahead once: no
+    environment is stepped twice (a replayed step fails its trajectory) or after its close."""
+    from flows.training import events
+
+    finished = events.EventLoop._finished
+
+    def all_at_once_newest_first(loop):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with loop.condition:
+                done = {f.key for f in loop._done}
+            if all(key in done for key in loop._tracked):
+                break
+            time.sleep(0.01)
+        return finished(loop)[::-1]
+
+    monkeypatch.setattr(events.EventLoop, "_finished", all_at_once_newest_first)
+    summary, _stream = _look_ahead_run(tmp_path, True, "rollout.max_attempts=1")
+    assert summary["drop_details"] == []
+    assert summary["trajectories"]["trained"] == 16
+    assert summary["live_env_instances_at_end"] == 0
