@@ -147,8 +147,19 @@ class EventLoop:
                 self.client.gather({f.key: f for f in done}, direct=True, asynchronous=True,
                                    errors="skip"),
                 self.client.loop.asyncio_loop)
+            # Dask's gather waits for a result lost meanwhile to be computed again (the
+            # future's status turns "lost"), and a task pinned to a worker that left never is:
+            # once one of the batch is no longer finished, the rest is fetched one by one
+            deadline = time.monotonic() + GATHER_TIMEOUT_S
             try:
-                results = gather.result(timeout=GATHER_TIMEOUT_S)
+                while True:
+                    try:
+                        results = gather.result(timeout=POLL_S)
+                        break
+                    except TimeoutError:
+                        if (time.monotonic() > deadline
+                                or any(f.status != "finished" for f in done)):
+                            raise
             except BaseException:
                 gather.cancel()  # asks the loop to stop it; never waits for that
                 raise
@@ -163,6 +174,9 @@ class EventLoop:
             out = {}
             deadline = time.monotonic() + GATHER_TIMEOUT_S
             for f in done:
+                if f.status != "finished":  # lost meanwhile: not waited for
+                    logger.warning("result of %s lost (%s)", f.key, f.status)
+                    continue
                 try:
                     out[f.key] = f.result(timeout=max(0.1, deadline - time.monotonic()))
                 except Exception:  # its handler sees no result: lost

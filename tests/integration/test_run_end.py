@@ -238,3 +238,38 @@ def test_a_later_run_on_the_same_cluster_gets_a_fresh_placement_recorder_without
         install_recorder(client, stream=True)
     assert not [w for w in caught if "plugin" in str(w.message)]
     assert client.run_on_scheduler(placement_snapshot) == {}  # the new run's counts only
+
+
+def test_a_result_lost_with_its_worker_while_gathered_is_not_waited_for(client, monkeypatch):
+    """A future that finished, then lost its result with its worker as the driver gathered it:
+    Dask's gather marks it lost and waits for it to be computed again, which a task
+    pinned to the worker that left never is. The batch comes back at once, that event
+    without a result (its handler sees it lost), instead of after the gather's time limit."""
+    from distributed import Worker
+
+    async def start_worker():
+        return await Worker(client.scheduler.address, nthreads=1)
+
+    worker = client.sync(start_worker)
+    loop = EventLoop(client)
+    fut = loop.track(client.submit(operator.add, 1, 1, workers=[worker.address],
+                                   allow_other_workers=False, pure=False), FutureKind.TURN)
+    fut.result(timeout=30)
+    with loop.condition:
+        assert loop.condition.wait_for(lambda: loop._done, timeout=30)
+    real_gather = client.gather
+
+    def gather_after_the_loss(futures, **kwargs):
+        client.sync(worker.close)
+        deadline = time.monotonic() + 30
+        while fut.status == "finished" and time.monotonic() < deadline:
+            time.sleep(0.01)  # Dask tells the client the result is lost
+        return real_gather(futures, **kwargs)
+
+    monkeypatch.setattr(client, "gather", gather_after_the_loss)
+    t0 = time.monotonic()
+    [event] = loop.next_batch(wake=lambda: False)
+    assert time.monotonic() - t0 < events.GATHER_TIMEOUT_S / 2
+    assert (event.kind, event.result) == (FutureKind.TURN, None)
+    assert event.future.status == "lost"
+    client.cancel([fut])
