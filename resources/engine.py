@@ -228,9 +228,12 @@ class InferenceEngine:
             except Exception as exc:  # hand the error to every waiting task
                 for r in batch:
                     r.future.set_exception(exc)
-                continue
-            for r, res in zip(batch, results, strict=True):
-                r.future.set_result(res)
+            else:
+                for r, res in zip(batch, results, strict=True):
+                    r.future.set_result(res)
+            # the safe point after a pass: a loader's wake-up taken while the batch was gathered
+            # would otherwise leave its weights waiting for the next request
+            self._weights.apply(self.version, self._load)
 
     @torch.no_grad()
     def _run(self, batch: list[_Request]) -> list[ForwardResult]:

@@ -4,6 +4,7 @@ float32 CPU results from a model of any dtype."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import torch
@@ -77,6 +78,23 @@ def test_older_weights_never_replace_newer(engine, policy):
     assert engine.load_weights(state, version=5) == 5
     assert engine.load_weights(state, version=3) == 5  # late arrival of an older version
     assert engine.version == 5 and engine.stats.weight_loads == 1
+
+
+def test_weights_staged_while_a_pass_gathers_its_batch_load_without_another_request(policy):
+    """A loader stages weights and wakes the engine thread with an empty request; if that
+    wake-up is taken while the thread gathers a pass's batch, the weights still switch right
+    after that pass, not only with a next request (at a run's end none may come)."""
+    model, _ = policy
+    engine = InferenceEngine(model, batch_wait_s=0.3)  # a pass gathers its batch for 0.3 s
+    try:
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        request = threading.Thread(target=engine.forward, args=(None, [3, 6, 7]))
+        request.start()
+        time.sleep(0.1)  # the pass is gathering its batch: the wake-up joins it
+        assert engine.load_weights(state, version=2, timeout=10) == 2
+        request.join()
+    finally:
+        engine.close()
 
 
 def test_a_bfloat16_model_hands_back_float32_cpu_results(policy, obs):
