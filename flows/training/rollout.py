@@ -15,22 +15,19 @@ turn on its own. A cohort is no barrier: a stage returns with the members done, 
 on in the background and the driver continues them as soon as the stage's answer reaches it
 (``rollout.cohort_barrier: true`` makes every stage wait for all its members instead).
 With ``rollout.lookahead`` each trajectory's next turn is submitted while its turn is in flight,
-reading that turn's results as futures (a look-ahead cohort): the driver's round trip between
-two turns is off the trajectory's path. When the turn comes back the driver makes the next one
-the member's turn in flight (and submits the one after), or, the episode over or the turn
-failed or left running, gives it up: its results are ignored. The
-tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups them by stage
-and a restarted trajectory never picks up an old key's result. Every change of a trajectory's
-state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`. What a fault does (a
-worker lost, a turn overdue, a member failed: restart or drop) is decided by
+reading that turn's results as futures: the driver's round trip between two turns is off the
+trajectory's path (:mod:`flows.training.lookahead` keeps those turns and decides who goes
+ahead). The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups
+them by stage and a restarted trajectory never picks up an old key's result. Every change of a
+trajectory's state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`. What a
+fault does (a worker lost, a turn overdue, a member failed: restart or drop) is decided by
 :mod:`flows.training.rollout_faults`; the driver carries it out on its records.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from distributed import Client, Future
 
@@ -40,6 +37,7 @@ from flows.monitoring.monitor import StageSpans
 from flows.monitoring.step_timings import TurnTimings, trajectory_key
 from flows.training.episode import RolloutRecord, TrajectoryIds, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, TrajectoryLedger, TrajState
+from flows.training.lookahead import LookAheads
 from flows.training.orchestration import PoolWorkers
 from flows.training.rollout_faults import RolloutFaults, strands_resume, strands_waiting
 from flows.training.turn_placement import TurnPlacer, TurnPlan
@@ -104,17 +102,8 @@ class RolloutDriver:
         self.timings = TurnTimings()  # each trajectory's turns, for its step's critical path
         # rollout.env_barrier: training trajectories whose next turn waits for the others'
         self._held: list[RolloutRecord] = []
-        self.lookahead = cfg.rollout.lookahead and not cfg.rollout.env_barrier
-        # trajectories whose look-ahead turn became their turn in flight: the turn after it
-        # is submitted ahead with the next flush (by id: a turn in flight may have come back
-        # meanwhile, and the one submitted then is a trajectory's own in flight too; its turn
-        # after goes ahead once, or its environment would be stepped twice)
-        self._chain: dict[int, RolloutRecord] = {}
-        # look-ahead turns' results that came back before the turn before: by trajectory
-        self._early: dict[int, tuple[object, DropReason]] = {}
-        # ended trajectories whose environment closes once their look-ahead turn, which may
-        # still step it, came back (or was given up): by that turn's env_step key
-        self._closes_after: dict[str, list[RolloutRecord]] = {}
+        self.ahead = LookAheads(cfg.rollout.lookahead and not cfg.rollout.env_barrier,
+                                self.live, self._cohorts, self.faults)
 
     @property
     def waiting(self) -> int:
@@ -174,8 +163,9 @@ class RolloutDriver:
         return all(self.pool_workers.has(str(t)) for t in need)
 
     def flush(self) -> list[Future]:
-        """Submit every ready turn, as cohorts of trajectories that share their workers; the
-        futures (one env_step per cohort) are what to wait on."""
+        """Submit every ready turn, as cohorts of trajectories that share their workers, and the
+        look-ahead turns (:meth:`flows.training.lookahead.LookAheads.chosen`); the futures (one
+        env_step per cohort) are what to wait on."""
         self._release_barrier()  # the one place: whatever ended or dropped since counts
         ready, self._ready = self._ready, []
         groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]] = {}
@@ -198,11 +188,14 @@ class RolloutDriver:
                             plan.prefill_tag, plan.decode_worker, plan.decode_tag)
             groups.setdefault(key, []).append((rec, shape))
         futures = self._continue()
-        chain, self._chain = self._chain, {}
+        submitted = []
         for cohort in self._submit(groups):
             futures.append(cohort.step)
-            chain.update((tid, self.live[tid]) for tid in cohort.traj_ids)
-        return futures + self._look_ahead(list(chain.values()))
+            submitted += [self.live[tid] for tid in cohort.traj_ids]
+        ahead = self._submit({key: [(rec, None) for rec in recs] for key, recs in
+                              self.ahead.chosen(submitted, self.stopping).items()}, ahead=True)
+        self.ahead.submitted(ahead)
+        return futures + [cohort.step for cohort in ahead]
 
     def _submit(self, groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]],
                 ahead: bool = False) -> list[Cohort]:
@@ -217,28 +210,6 @@ class RolloutDriver:
                 self._cohorts[cohort.step.key] = cohort
                 cohorts.append(cohort)
         return cohorts
-
-    def _looks_ahead(self, rec: RolloutRecord) -> bool:
-        """Whether ``rec``'s next turn goes ahead now: its turn is in flight with none ahead
-        yet, its lengths are real ones, training goes on, and none of its workers left."""
-        return (self.lookahead and rec.ahead is None and rec.env_task.shape is None
-                and self.live.get(rec.traj_id) is rec and rec.turn_step is not None
-                and rec.turn_step[0].key in self._cohorts
-                and (rec.evaluation or not self.stopping)
-                and not any(self.faults.is_lost(w) for w in rec.turn_key_workers()))
-
-    def _look_ahead(self, recs: list[RolloutRecord]) -> list[Future]:
-        """Submit the next turn of ``recs`` (those it suits) ahead, as cohorts of members
-        whose turns in flight share their workers; the futures to wait on."""
-        groups: dict[CohortKey, list[tuple[RolloutRecord, None]]] = {}
-        for rec in recs:
-            if self._looks_ahead(rec):
-                groups.setdefault(replace(rec.turn_key, fresh=False), []).append((rec, None))
-        cohorts = self._submit(groups, ahead=True)
-        for cohort in cohorts:
-            for j, tid in enumerate(cohort.traj_ids):
-                self.live[tid].ahead = (cohort, j)
-        return [cohort.step for cohort in cohorts]
 
     def _continue(self) -> list[Future]:
         """Submit the continuations of the members stages left running, on their workers."""
@@ -309,16 +280,16 @@ class RolloutDriver:
         :class:`tasks.cohort.MemberError` (None: the whole cohort failed or was lost)."""
         cohort = self._cohorts.pop(fut.key)
         now = time.time()
-        for rec in self._closes_after.pop(fut.key, []):
+        for rec in self.ahead.closes_due(fut.key):
             self._close_now(rec)
         results, reason = self.faults.results(fut, results, len(cohort.traj_ids))
         out = TurnOutcome()
         for tid, res in zip(cohort.traj_ids, results, strict=True):
             rec = self.live.get(tid)
             if rec is None or rec.turn_step is None or rec.turn_step[0].key != fut.key:
-                if rec is not None and rec.ahead is not None and rec.ahead[0] is cohort:
-                    self._early[tid] = (res, reason)  # the turn before is still to come back
-                continue  # a look-ahead turn given up: nothing of it counts
+                # a look-ahead turn: its answer waits for the turn before, or is ignored
+                self.ahead.answered(cohort, tid, res, reason)
+                continue
             self._member_result(rec, cohort, res, reason, now, out)
         return out
 
@@ -326,7 +297,7 @@ class RolloutDriver:
                        reason: DropReason, now: float, out: TurnOutcome) -> None:
         """The answer of ``rec``'s turn in flight (a member of ``cohort``)."""
         if isinstance(res, Deferred):  # still running there: continued with the next flush
-            self._void_ahead(rec)
+            self.ahead.void(rec)
             self._resumes.setdefault((res.phase, res.handle), []).append((rec, res.index))
             self.timings.deferred(trajectory_key(rec.traj_id, rec.attempt), cohort.suffix,
                                   res.phase.value)
@@ -346,29 +317,13 @@ class RolloutDriver:
         self._member_stepped(rec, res, out, now)
 
     def _promote(self, rec: RolloutRecord, now: float, out: TurnOutcome) -> None:
-        """``rec``'s look-ahead turn becomes its turn in flight (the one after it goes ahead
-        with the next flush); its answer, if it came back first, is taken now."""
-        cohort, i = rec.ahead
-        rec.ahead = None
-        if cohort.ahead:  # its first member to go on: from now it is a turn in flight
-            cohort.ahead, cohort.submitted = False, now
-        key = cohort.key
-        rec.turn_key, rec.turn_past, rec.turn_obs = key, rec.last_decode, rec.turn_step
-        rec.turn_submitted, rec.last_shape = now, None
-        rec.turn_step, rec.last_decode = (cohort.step, i), (cohort.decode, i)
-        rec.prefill_worker, rec.decode_worker = key.prefill_worker, key.decode_worker
-        rec.kv_worker = key.decode_worker
+        """``rec``'s look-ahead turn becomes its turn in flight; its answer, if it came back
+        first, is taken now."""
+        cohort, early = self.ahead.promote(rec, now)
         for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
             self.pool_workers.started(w)
-        self._chain[rec.traj_id] = rec
-        early = self._early.pop(rec.traj_id, None)
         if early is not None:
             self._member_result(rec, cohort, *early, now, out)
-
-    def _void_ahead(self, rec: RolloutRecord) -> None:
-        """Give up ``rec``'s look-ahead turn (its results, whenever they come, are ignored)."""
-        rec.ahead = None
-        self._early.pop(rec.traj_id, None)
 
     def _member_stepped(self, rec: RolloutRecord, obs: EnvObservation, out: TurnOutcome,
                         now: float) -> None:
@@ -380,7 +335,7 @@ class RolloutDriver:
             self.placer.lengths.finished(rec.env_task.name, rec.turn)
             if context_limited and not obs.done:
                 self.close_env(rec)
-            self._void_ahead(rec)
+            self.ahead.void(rec)
             if context_limited:
                 self.truncated["context"] += 1
             elif obs.truncated:
@@ -415,7 +370,7 @@ class RolloutDriver:
         fresh environment while attempts remain, else drop it with ``reason`` (the faults
         decide, :meth:`flows.training.rollout_faults.RolloutFaults.failed`)."""
         self.close_env(rec)
-        self._void_ahead(rec)
+        self.ahead.void(rec)
         if self.faults.failed(rec, error, reason, self.stopping):
             rec.attempt += 1
             rec.reset_record()
@@ -425,22 +380,19 @@ class RolloutDriver:
         out.dropped.append(rec)
 
     def _drop(self, rec: RolloutRecord, reason: DropReason, detail: str = "") -> None:
-        self._void_ahead(rec)
+        self.ahead.void(rec)
         del self.live[rec.traj_id]
         self.ledger.drop(rec.traj_id, reason, detail)
 
     def holds(self, worker: str) -> bool:
         """Live trajectories have environment instances on ``worker`` (or closes pending)."""
         return (any(r.env_worker == worker for r in self.live.values())
-                or any(r.env_worker == worker for rs in self._closes_after.values() for r in rs)
+                or self.ahead.holds(worker)
                 or self.tasks.closing_on(worker))
 
     def close_env(self, rec: RolloutRecord) -> Future | None:
         """Close the live environment instance of an ended or dropped trajectory."""
-        ahead = rec.ahead[0].step.key if rec.ahead is not None else None
-        if ahead in self._cohorts:  # after its look-ahead turn, which may still step it
-            # (as it is now: a restart reuses the record)
-            self._closes_after.setdefault(ahead, []).append(copy.copy(rec))
+        if self.ahead.close_after(rec):  # after its look-ahead turn, which may still step it
             return None
         return self._close_now(rec)
 
@@ -452,9 +404,8 @@ class RolloutDriver:
     def close_all(self) -> None:
         """An aborted run: close every live trajectory's environment instance; nothing more is
         submitted."""
-        self._ready, self._held, self._resumes, self._chain = [], [], {}, {}
-        waiting, self._closes_after = self._closes_after, {}
-        for rec in [r for rs in waiting.values() for r in rs] + list(self.live.values()):
-            self._void_ahead(rec)
+        self._ready, self._held, self._resumes = [], [], {}
+        for rec in self.ahead.clear() + list(self.live.values()):
+            self.ahead.void(rec)
             self._close_now(rec)
             rec.handle = None
