@@ -372,8 +372,9 @@ def test_a_look_ahead_turn_answering_with_its_turn_before_steps_each_environment
         tmp_path, monkeypatch):
     """Finished turns reach the driver in batches of any size, in no promised order. Here every
     batch waits until all that is in flight finished, a look-ahead turn with the turn before
-    it, and is taken newest first: the look-ahead answer comes first. Each trajectory's next turn still goes ahead once: no
-    environment is stepped twice (a replayed step fails its trajectory) or after its close."""
+    it, and is taken newest first: the look-ahead answer comes first. Each trajectory's next
+    turn still goes ahead once: no environment is stepped twice (a replayed step fails its
+    trajectory) or after its close."""
     from flows.training import events
 
     finished = events.EventLoop._finished

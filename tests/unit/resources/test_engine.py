@@ -85,12 +85,12 @@ def test_weights_staged_while_a_pass_gathers_its_batch_load_without_another_requ
     wake-up is taken while the thread gathers a pass's batch, the weights still switch right
     after that pass, not only with a next request (at a run's end none may come)."""
     model, _ = policy
-    engine = InferenceEngine(model, batch_wait_s=0.3)  # a pass gathers its batch for 0.3 s
+    engine = InferenceEngine(model, batch_wait_s=1.0)  # a pass gathers its batch for 1 s
     try:
         state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
         request = threading.Thread(target=engine.forward, args=(None, [3, 6, 7]))
         request.start()
-        time.sleep(0.1)  # the pass is gathering its batch: the wake-up joins it
+        time.sleep(0.3)  # the engine thread took it and gathers its batch: the wake-up joins it
         assert engine.load_weights(state, version=2, timeout=10) == 2
         request.join()
     finally:
