@@ -14,8 +14,8 @@ now, each once (twice, its environment would be stepped twice), while training g
 lengths only (an emulated env task's turn shapes are drawn per turn) and none of their workers
 lost. It keeps the look-ahead answers taken before the turn before them (the order of a batch's
 events is not promised), and the environments whose close waits for a look-ahead turn that may
-still step them. The
-:class:`flows.training.rollout.RolloutDriver` submits, promotes and closes.
+still step them. The :class:`flows.training.rollout.RolloutDriver` submits, promotes and
+closes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class LookAheads:
     def __init__(self, enabled: bool, live: Mapping[int, RolloutRecord],
                  cohorts: Mapping[str, Cohort], faults: RolloutFaults):
         """``live`` and ``cohorts``: the driver's trajectories and cohorts in flight (by the
-        key of their env_step), read here, never written."""
+        key of their env_step); this reads them and never adds or removes one."""
         self.enabled = enabled
         self.live, self.cohorts, self.faults = live, cohorts, faults
         # promoted since the last flush: the turn after theirs goes ahead with it
