@@ -8,8 +8,11 @@ each), so the inference backend batches their forward passes into shared ones an
 environments wait side by side; each member's result, or its error, has its own slot, so one
 member's failure never fails the others.
 
-Members refer to earlier results by ``(list, index)`` pairs: Dask resolves the future inside the
-pair to the earlier cohort's result list, and :func:`pick` takes the member's element.
+Members refer to earlier results by index into the task's ``sources``, the earlier cohorts'
+result lists, each passed once (:func:`by_source`): Dask resolves each future among the sources
+once, and the graph carries one dependency per earlier cohort rather than a nested task per
+member (a cohort's arguments cost the driver, the scheduler and the worker as many graph nodes
+as they hold).
 
 A cohort is not a barrier. A stage task returns once a member is done and either no other member
 finished within ``grace_s`` after the last one, or the first one done has waited
@@ -99,12 +102,34 @@ def close_after(registry: Any, env_close: Callable[..., bool], handle: Any,
     return env_close(registry, handle)
 
 
-def pick(ref: Any) -> Any:
-    """A member's value: ``(list, index)`` from an earlier cohort, or the value itself."""
-    if isinstance(ref, tuple):
-        results, index = ref
-        return results[index]
-    return ref
+def by_source(refs: list[Any]) -> tuple[list[Any], list[tuple[int, Any]]]:
+    """Members' inputs as one task argument ``(sources, items)``: each ``(results, index)``
+    pair (``results`` an earlier cohort's future, or its list) becomes ``(k, index)``, element
+    ``index`` of ``sources[k]``, where ``sources`` holds each ``results`` once; any other input
+    ``value`` becomes ``(-1, value)``. Plain tuples of ints cost the graph least (a dataclass
+    per member costs the driver about twice as much to submit)."""
+    sources: list[Any] = []
+    at: dict[Any, int] = {}
+    items: list[tuple[int, Any]] = []
+    for ref in refs:
+        if isinstance(ref, tuple):
+            results, index = ref
+            k = at.setdefault(getattr(results, "key", None) or id(results), len(sources))
+            if k == len(sources):
+                sources.append(results)
+            items.append((k, index))
+        else:
+            items.append((-1, ref))
+    return sources, items
+
+
+def inputs(arg: Any) -> list[Any]:
+    """Each member's input: from ``(sources, items)`` (:func:`by_source`, its sources resolved
+    by Dask), or a plain list of the inputs themselves."""
+    if isinstance(arg, tuple):
+        sources, items = arg
+        return [sources[k][x] if k >= 0 else x for k, x in items]
+    return arg
 
 
 def _guard(fn: Callable[[int], Any], i: int) -> Any:
@@ -214,10 +239,13 @@ def _on_backend(backend, fn: Callable[[int], Any], n: int, phase: Phase,
         return each(lambda i: run(fn, i), n, phase, grace_s)
 
 
-def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: list,
+def prefill_many(backend, prefill_fn, pasts, observations, shapes: list,
                  grace_s: float | None = None) -> list:
+    """``pasts`` and ``observations``: the members' inputs (:func:`inputs`)."""
+    pasts, observations = inputs(pasts), inputs(observations)
+
     def one(i):
-        past, obs = pick(pasts[i]), pick(observations[i])
+        past, obs = pasts[i], observations[i]
         if ended(obs):  # a look-ahead turn after the episode's last
             return ENDED
         return _failed(past, obs) or prefill_fn(backend, past, obs, **_shape(shapes[i]))
@@ -225,10 +253,12 @@ def prefill_many(backend, prefill_fn, pasts: list, observations: list, shapes: l
     return _on_backend(backend, one, len(observations), Phase.PREFILL, grace_s)
 
 
-def decode_many(backend, decode_fn, prefilled: list, pasts: list, params: list, seeds: list,
+def decode_many(backend, decode_fn, prefilled: list, pasts, params: list, seeds: list,
                 shapes: list, grace_s: float | None = None) -> list:
+    pasts = inputs(pasts)
+
     def one(i):
-        past = pick(pasts[i])
+        past = pasts[i]
         return _failed(prefilled[i], past) or decode_fn(backend, prefilled[i], past, params[i],
                                                         seeds[i], **_shape(shapes[i]))
 
@@ -250,14 +280,16 @@ def _quick_step(registry, obs: Any) -> bool:
     return bool(vars(type(env)).get("quick_step", False))
 
 
-def env_step_many(registry, tokenizer, step_fn, response_fn, observations: list,
+def env_step_many(registry, tokenizer, step_fn, response_fn, observations,
                   decoded: list, grace_s: float | None = None) -> list:
+    observations = inputs(observations)
+
     def one(i):
-        obs = pick(observations[i])
+        obs = observations[i]
         return _failed(obs, decoded[i]) or step_fn(registry, tokenizer, obs,
                                                    response_fn(decoded[i]))
 
     # a thread each lets waiting steps overlap; quick ones go one after another, a thread each
     # costing more than the step
-    inline = all(_quick_step(registry, pick(o)) for o in observations)
+    inline = all(_quick_step(registry, o) for o in observations)
     return each(one, len(decoded), Phase.ENV_STEP, grace_s, inline=inline)

@@ -32,6 +32,7 @@ from resources.pools import Stage, Tag, submit_on
 from resources.worker import plain, with_backend, with_envs, with_registry
 from tasks.cohort import (
     Phase,
+    by_source,
     close_after,
     collect,
     decode_many,
@@ -176,8 +177,8 @@ class TurnTasks:
             for i, r in enumerate(recs):
                 r.turn_obs = (reset, i)
                 r.env_reset = reset  # until the turn comes back, a close must wait for it
-        observations = [r.turn_obs for r in recs]
-        pasts = [r.turn_past for r in recs]
+        observations = by_source([r.turn_obs for r in recs])
+        pasts = by_source([r.turn_past for r in recs])
         dec = None
         if Phase.DECODE in runs:
             pre = None
@@ -207,8 +208,8 @@ class TurnTasks:
             return self._submit(stage, adapter, fn, *args, self.grace_s, worker=worker, tag=tag,
                                 key=f"{stage}-{suffix}", env_task=env_task)
 
-        observations = [r.turn_step for r in recs]
-        pasts = [r.last_decode for r in recs]
+        observations = by_source([r.turn_step for r in recs])
+        pasts = by_source([r.last_decode for r in recs])
         pre = submit(Stage.PREFILL, with_backend, prefill_many, st.prefill, pasts, observations,
                      shapes, worker=key.prefill_worker, tag=key.prefill_tag)
         seeds = [decode_seed(self.run_seed, r.traj_id, r.turn + 1, r.attempt) for r in recs]

@@ -7,10 +7,12 @@ from tasks.cohort import (
     Deferred,
     MemberError,
     Phase,
+    by_source,
     collect,
     decode_many,
     each,
     env_step_many,
+    inputs,
     pending_members,
     prefill_many,
 )
@@ -179,7 +181,7 @@ def test_a_look_ahead_turn_after_the_episodes_end_runs_nothing_and_says_so():
         return "kv"
 
     turns = [done, full, going]
-    pre = prefill_many(None, prefill_fn, [None] * 3, [(turns, i) for i in range(3)],
+    pre = prefill_many(None, prefill_fn, [None] * 3, by_source([(turns, i) for i in range(3)]),
                        [None] * 3, grace_s=GRACE)
     assert pre == [ENDED, ENDED, "kv"] and ran == ["c"]
     out = decode_many(None, lambda *a: "tokens", pre, [None] * 3, [None] * 3, [1, 2, 3],
@@ -188,3 +190,12 @@ def test_a_look_ahead_turn_after_the_episodes_end_runs_nothing_and_says_so():
     steps = env_step_many(EnvRegistry("w"), None, lambda *a: "stepped", lambda d: d, turns, out,
                           grace_s=GRACE)
     assert steps == [ENDED, ENDED, "stepped"]
+
+
+def test_members_inputs_carry_each_earlier_result_once_and_resolve_per_member():
+    turns, caches = ["t0", "t1", "t2"], ["k0", "k1"]
+    arg = by_source([(turns, 2), (caches, 1), None, (turns, 0), "obs"])
+    sources, _items = arg
+    assert sources == [turns, caches]  # each once, however many members read it
+    assert inputs(arg) == ["t2", "k1", None, "t0", "obs"]
+    assert inputs(["a", None]) == ["a", None]  # a plain list: the inputs themselves
