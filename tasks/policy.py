@@ -114,10 +114,22 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> lis
 def encode_first_turn(tokenizer, observation: str, system_prompt: str | None = None) -> list[int]:
     """Token ids of the conversation's start, ending with the generation prompt."""
     if tokenizer.chat_template:
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        return _render(tokenizer, msgs + [{"role": "user", "content": observation}], True)
+        return list(_first_turn(tokenizer, tokenizer.chat_template, observation, system_prompt))
     text = (system_prompt + "\n" if system_prompt else "") + observation + "\n"
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# Environments repeat their observations (a board's few positions, the same hints), so each
+# turn's encoding is rendered once per tokenizer, template and text: the template and the
+# tokenizer are deterministic, and rendering costs an environment step's time many times over
+TURN_CACHE = 4096
+
+
+@functools.lru_cache(maxsize=TURN_CACHE)
+def _first_turn(tokenizer, chat_template: str, observation: str,
+                system_prompt: str | None) -> tuple[int, ...]:
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    return tuple(_render(tokenizer, msgs + [{"role": "user", "content": observation}], True))
 
 
 _BASE_TURN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -136,6 +148,17 @@ def _template_turn(tokenizer, chat_template: str) -> tuple[tuple[int, ...], tupl
     return tuple(a), tuple(a[len(a) - n:])
 
 
+@functools.lru_cache(maxsize=TURN_CACHE)
+def _user_turn(tokenizer, chat_template: str, observation: str) -> tuple[int, ...]:
+    """The ids the template adds after a one-exchange conversation for a user message
+    ``observation``, with the generation prompt."""
+    before = _template_turn(tokenizer, chat_template)[0]
+    after = _render(tokenizer, _BASE_TURN + [{"role": "user", "content": observation}], True)
+    if tuple(after[: len(before)]) != before:
+        raise ValueError("chat template is not prefix-stable; cannot encode turns incrementally")
+    return tuple(after[len(before):])
+
+
 def assistant_suffix(tokenizer) -> list[int]:
     """The ids the chat template writes after an assistant message's content (ChatML:
     ``<|im_end|>`` ``\\n``)."""
@@ -150,12 +173,9 @@ def encode_next_turn(tokenizer, observation: str, response_ids: list[int]) -> li
     token if the response did not stop, then the observation and a newline."""
     last = response_ids[-1] if response_ids else None
     if tokenizer.chat_template:
-        before, suffix = _template_turn(tokenizer, tokenizer.chat_template)
+        _before, suffix = _template_turn(tokenizer, tokenizer.chat_template)
         closing = list(suffix[1:] if suffix and last == suffix[0] else suffix)
-        after = _render(tokenizer, _BASE_TURN + [{"role": "user", "content": observation}], True)
-        if tuple(after[: len(before)]) != before:
-            raise ValueError("chat template is not prefix-stable; cannot encode turns incrementally")
-        return closing + after[len(before):]
+        return closing + list(_user_turn(tokenizer, tokenizer.chat_template, observation))
     closing = [] if last in stop_token_ids(tokenizer) else [tokenizer.eos_token_id]
     return closing + tokenizer.encode(observation + "\n", add_special_tokens=False)
 

@@ -194,3 +194,20 @@ def test_a_bfloat16_policy_is_the_float32_one_rounded():
                                strict=True):
         assert h.dtype == torch.bfloat16 and m.dtype == torch.float32, name
         assert torch.equal(h, f.to(torch.bfloat16)) and torch.equal(m, f), name
+
+
+def test_a_turn_encoded_again_is_the_same_fresh_list_and_follows_a_changed_template(qwen_style):
+    _, tok = qwen_style
+    first = encode_next_turn(tok, "higher", [])
+    first.append(-1)  # a caller's list is its own: the next encoding is untouched
+    assert encode_next_turn(tok, "higher", []) == first[:-1]
+    start = encode_first_turn(tok, "guess", "sys")
+    start.clear()
+    assert encode_first_turn(tok, "guess", "sys")
+    template = tok.chat_template
+    try:  # the same tokenizer with another template renders anew
+        tok.chat_template = template.replace("m['role']", "(m['role'] | upper)")
+        assert "USER" in tok.decode(encode_next_turn(tok, "higher", []))
+    finally:
+        tok.chat_template = template
+    assert encode_next_turn(tok, "higher", []) == first[:-1]
