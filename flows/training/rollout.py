@@ -17,7 +17,8 @@ on in the background and the driver continues them as soon as the stage's answer
 With ``rollout.lookahead`` each trajectory's next turn is submitted while its turn is in flight,
 reading that turn's results as futures: the driver's round trip between two turns is off the
 trajectory's path (:mod:`flows.training.lookahead` keeps those turns and decides who goes
-ahead). The tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups
+ahead). Where each turn runs and which turns share a cohort is :mod:`flows.training.dispatch`;
+the tasks and their keys are :mod:`flows.training.turn_tasks`: the dashboard groups
 them by stage and a restarted trajectory never picks up an old key's result. Every change of a
 trajectory's state goes through the :class:`flows.training.lifecycle.TrajectoryLedger`. What a
 fault does (a worker lost, a turn overdue, a member failed: restart or drop) is decided by
@@ -35,18 +36,17 @@ from flows.config import EnvTaskConfig, TrainConfig
 from flows.config.derived import with_env_faults
 from flows.monitoring.monitor import StageSpans
 from flows.monitoring.step_timings import TurnTimings, trajectory_key
+from flows.training.dispatch import Resumes, TurnDispatch
 from flows.training.episode import RolloutRecord, TrajectoryIds, sampling_params, turn_ends
 from flows.training.lifecycle import DropReason, TrajectoryLedger, TrajState
 from flows.training.lookahead import LookAheads
 from flows.training.orchestration import PoolWorkers
 from flows.training.rollout_faults import RolloutFaults, strands_resume, strands_waiting
-from flows.training.turn_placement import TurnPlacer, TurnPlan
-from flows.training.turn_tasks import Cohort, CohortKey, Resume, TurnLog, TurnTasks
-from flows.training.workload import turn_shape
+from flows.training.turn_placement import TurnPlacer
+from flows.training.turn_tasks import Cohort, TurnLog, TurnTasks
 from resources.device_model import DeviceModel
-from resources.pools import Tag
-from tasks.cohort import Deferred, Ended, MemberError, Phase
-from tasks.records import EnvHandle, EnvObservation, SamplingParams, Trajectory, TurnShape
+from tasks.cohort import Deferred, Ended, MemberError
+from tasks.records import EnvObservation, Trajectory
 from tasks.stages import Stages
 
 
@@ -62,7 +62,8 @@ class RolloutDriver:
     """Submits and advances trajectories; reports finished and dropped ones.
 
     ``start`` admits a trajectory and a finished turn readies the next one; ``flush`` submits
-    every ready turn, in cohorts, and returns the futures to wait on; ``on_turn`` takes a
+    every ready turn, in cohorts (:class:`flows.training.dispatch.TurnDispatch` places them),
+    and returns the futures to wait on; ``on_turn`` takes a
     cohort's results (or its failure) back; ``worker_lost`` and ``overdue`` give up on the
     cohorts a fault hit (:class:`flows.training.rollout_faults.RolloutFaults` decides)."""
 
@@ -83,8 +84,6 @@ class RolloutDriver:
         # pass the first shard's table, so that replace_env reaches them all
         self.env_specs = env_specs if env_specs is not None else {
             t.name: with_env_faults(cfg.faults, t.env) for t in cfg.env_tasks}
-        # evaluation decodes greedily: the policy's best answer, not a sample
-        self.eval_sampling = sampling_params(cfg, greedy=True)
         self.live: dict[int, RolloutRecord] = {}
         self._ready: list[RolloutRecord] = []  # next turn to submit (rec.next_obs; None: reset)
         self._cohorts: dict[str, Cohort] = {}  # by the key of its env_step
@@ -93,7 +92,7 @@ class RolloutDriver:
                                None if cfg.rollout.cohort_barrier else cfg.rollout.cohort_grace_s)
         # members a stage left running, to continue with the next flush: by (stage, handle),
         # each with its index under the handle
-        self._resumes: dict[tuple[Phase, str], list[tuple[RolloutRecord, int]]] = {}
+        self._resumes: Resumes = {}
         self.truncated: dict[str, int] = {"context": 0, "max_turns": 0}
         self.faults = RolloutFaults(cfg)
         self.ids = TrajectoryIds()
@@ -104,6 +103,10 @@ class RolloutDriver:
         self._held: list[RolloutRecord] = []
         self.ahead = LookAheads(cfg.rollout.lookahead and not cfg.rollout.env_barrier,
                                 self.live, self._cohorts, self.faults)
+        # places and submits the turns; evaluation episodes decode greedily (their best answer)
+        self.dispatch = TurnDispatch(cfg, pool_workers, self.placer, self.tasks, self.ahead,
+                                     self.live, self._cohorts, run_id, self.sampling,
+                                     sampling_params(cfg, greedy=True))
 
     @property
     def waiting(self) -> int:
@@ -156,92 +159,15 @@ class RolloutDriver:
         rec.env_worker = rec.handle = rec.next_obs = None  # placed when submitted
         self._ready.append(rec)
 
-    def _placeable(self, rec: RolloutRecord) -> bool:
-        """Every pool the turn needs has a worker (else it waits for one to join)."""
-        need = [Tag.GPU_COMPUTE, Tag.GPU_BANDWIDTH] + ([Tag.CPU_ENV] if rec.handle is None
-                                                       else [])
-        return all(self.pool_workers.has(str(t)) for t in need)
-
     def flush(self) -> list[Future]:
-        """Submit every ready turn, as cohorts of trajectories that share their workers, and the
-        look-ahead turns (:meth:`flows.training.lookahead.LookAheads.chosen`); the futures (one
+        """Submit every ready turn, the continuations of members a stage left running and the
+        look-ahead turns (:meth:`flows.training.dispatch.TurnDispatch.flush`); the futures (one
         env_step per cohort) are what to wait on."""
         self._release_barrier()  # the one place: whatever ended or dropped since counts
         ready, self._ready = self._ready, []
-        groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]] = {}
-        for rec in ready:
-            if not self._placeable(rec):
-                self._ready.append(rec)
-                continue
-            if rec.handle is None:  # a fresh environment, on the least-loaded CPU worker
-                rec.env_worker = self.pool_workers.choose(Tag.CPU_ENV)
-                rec.handle = EnvHandle(rec.env_worker, f"{self.run_id}.{rec.traj_id}.{rec.attempt}")
-            shape = turn_shape(rec.env_task.shape, self.cfg.seed, rec.traj_id, rec.turn,
-                               rec.attempt)
-            rec.last_shape = shape
-            plan = self._plan(rec, shape)
-            rec.prefill_worker, rec.decode_worker = plan.prefill_worker, plan.decode_worker
-            for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-                self.pool_workers.started(w)
-            env_task = rec.env_task.name if self.cfg.rollout.cohort_per_env_task else None
-            key = CohortKey(rec.next_obs is None, env_task, rec.env_worker, plan.prefill_worker,
-                            plan.prefill_tag, plan.decode_worker, plan.decode_tag)
-            groups.setdefault(key, []).append((rec, shape))
-        futures = self._continue()
-        submitted = []
-        for cohort in self._submit(groups):
-            futures.append(cohort.step)
-            submitted += [self.live[tid] for tid in cohort.traj_ids]
-        ahead = self._submit({key: [(rec, None) for rec in recs] for key, recs in
-                              self.ahead.chosen(submitted, self.stopping).items()}, ahead=True)
-        self.ahead.submitted(ahead)
-        return futures + [cohort.step for cohort in ahead]
-
-    def _submit(self, groups: dict[CohortKey, list[tuple[RolloutRecord, TurnShape | None]]],
-                ahead: bool = False) -> list[Cohort]:
-        """Each group's members as cohorts of at most ``rollout.cohort_max``, registered;
-        ``ahead``: their next turns (:meth:`TurnTasks.cohort`)."""
-        size, cohorts = self.cfg.rollout.cohort_max, []
-        for key, members in groups.items():
-            for i in range(0, len(members), size):
-                recs = [rec for rec, _ in members[i:i + size]]
-                cohort = self.tasks.cohort(key, recs, [s for _, s in members[i:i + size]],
-                                           self._params(recs), ahead=ahead)
-                self._cohorts[cohort.step.key] = cohort
-                cohorts.append(cohort)
-        return cohorts
-
-    def _continue(self) -> list[Future]:
-        """Submit the continuations of the members stages left running, on their workers."""
         resumes, self._resumes = self._resumes, {}
-        futures = []
-        for (phase, handle), members in resumes.items():
-            recs = [rec for rec, _ in members]
-            cohort = self.tasks.cohort(recs[0].turn_key, recs, [r.last_shape for r in recs],
-                                       self._params(recs),
-                                       Resume(phase, handle, [i for _, i in members]))
-            self._cohorts[cohort.step.key] = cohort
-            futures.append(cohort.step)
+        futures, self._ready = self.dispatch.flush(ready, resumes, self.stopping)
         return futures
-
-    def _params(self, recs: list[RolloutRecord]) -> list[SamplingParams]:
-        """Each member's sampling: its env task's, greedy for an evaluation episode."""
-        return [(self.eval_sampling if r.evaluation else self.sampling)[r.env_task.name]
-                for r in recs]
-
-    def _plan(self, rec: RolloutRecord, shape: TurnShape | None) -> TurnPlan:
-        """Where the turn's prefill and decode run (:mod:`flows.training.turn_placement`); a
-        reset's prompt is not known here, so the first turn splits."""
-        prompt = (shape.prompt_tokens if shape is not None else len(rec.next_obs.input_ids)
-                  if isinstance(rec.next_obs, EnvObservation) else None)
-        context = rec.virtual_tokens if rec.env_task.shape is not None else len(rec.tokens)
-        return self.placer.place(self.pool_workers, rec.env_task.name, rec.decode_worker,
-                                 rec.decode_worker if rec.last_decode is not None else None,
-                                 prompt, context)
-
-    def _release(self, rec: RolloutRecord) -> None:
-        for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-            self.pool_workers.finished(w)
 
     # -- faults -----------------------------------------------------------------------------
     def worker_lost(self, worker: str) -> tuple[list[Future], TurnOutcome]:
@@ -256,7 +182,7 @@ class RolloutDriver:
             if strands_resume(worker, members[0][0]):
                 del self._resumes[phase_handle]
                 for rec, _ in members:
-                    self._release(rec)
+                    self.dispatch.finished(rec)
                     self._member_failed(rec, detail, out, DropReason.WORKER_LOST)
         waiting, self._ready = self._ready, []
         held, self._held = self._held, []
@@ -302,7 +228,7 @@ class RolloutDriver:
             self.timings.deferred(trajectory_key(rec.traj_id, rec.attempt), cohort.suffix,
                                   res.phase.value)
             return
-        self._release(rec)
+        self.dispatch.finished(rec)
         if isinstance(res, Ended):  # cannot happen: it went ahead only as the episode went on
             res = MemberError("Ended: a turn ran after the end of its episode")
         if isinstance(res, MemberError):
@@ -320,8 +246,7 @@ class RolloutDriver:
         """``rec``'s look-ahead turn becomes its turn in flight; its answer, if it came back
         first, is taken now."""
         cohort, early = self.ahead.promote(rec, now)
-        for w in {rec.decode_worker, rec.prefill_worker, rec.env_worker}:
-            self.pool_workers.started(w)
+        self.dispatch.started(rec)
         if early is not None:
             self._member_result(rec, cohort, *early, now, out)
 
