@@ -1,8 +1,10 @@
-"""flows/benchmarks/scheduler.py with tiny budgets: the figures' structure and counts (never their
-values), the JSON round trip, no process left behind, and the script as a user runs it."""
+"""flows/benchmarks/scheduler.py and flows/benchmarks/member_inputs.py with tiny budgets: the
+figures' structure and counts (never their values), the JSON round trip, no process left behind,
+and the scripts as a user runs them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +85,25 @@ def test_script_runs_as_a_user_runs_it(tmp_path):
     table = (out / "capacity.md").read_text()
     assert "static graph (client.submit)" in table and "batched (cohort 2)" in table
     assert "| dynamic turns | C=4 |" in proc.stdout
+
+
+def test_member_inputs_bench_runs_both_forms_as_a_user_runs_it(tmp_path):
+    out = tmp_path / "inputs"
+    before = _alive_children()
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "flows.benchmarks.member_inputs", "--out", str(out)]
+    proc = subprocess.run(cmd + ["--tasks", "10", "--members", "8", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert _alive_children() <= before
+    figures = json.loads((out / "member_inputs.json").read_text())
+    assert {f: len(r) for f, r in figures["runs"].items()} == {"none": 2, "pairs": 2,
+                                                              "by_source": 2}
+    # a ratio per repeat whose CPU time psutil could tell (tiny runs may show none)
+    assert all(len(figures["pairs_over_by_source"][role]["per_repeat"]) <= 2
+               for role in ("driver", "scheduler", "workers"))
+    assert "pairs / by_source" in proc.stdout
+    bad = subprocess.run(cmd + ["--tasks", "0"], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "--tasks" in bad.stderr
