@@ -47,15 +47,20 @@ class LastStepMarks:
 
 
 class HangsAfter:
-    """An environment step that stops answering (for ``seconds``) once the marker exists: work
-    still in flight after the last step that cannot finish in time."""
+    """Environment steps that stop answering once the marker exists, until ``seconds`` after
+    it was written: work still in flight after the last step that cannot finish in time. Every
+    step held answers by the same moment (a cohort's members run one after another, so a
+    sleep of its own each would keep the environment worker busy for members x seconds)."""
 
     def __init__(self, marker: Path, seconds: float):
         self.marker, self.seconds = str(marker), seconds
 
     def __call__(self, registry, tokenizer, prev, sample):
-        if os.path.exists(self.marker):
-            time.sleep(self.seconds)
+        try:
+            until = os.path.getmtime(self.marker) + self.seconds
+        except FileNotFoundError:
+            until = 0.0
+        time.sleep(max(0.0, until - time.time()))
         return env_step(registry, tokenizer, prev, sample)
 
 
