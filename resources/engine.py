@@ -43,7 +43,7 @@ from resources.catalog import HardwareProfile
 from resources.kv_store import KVStore
 from resources.weight_staging import WeightStaging
 from tasks.components import accepts
-from tasks.generation import kv_decode, kv_prefill
+from tasks.generation import kv_decode, kv_prefill, kv_prefill_many
 from tasks.policy import kv_geometry, load_policy, stop_token_ids
 from tasks.records import (
     DecodeOutput,
@@ -156,6 +156,27 @@ class InferenceEngine:
 
     def forward(self, past: torch.Tensor | np.ndarray | None, input_ids: list[int]) -> ForwardResult:
         """Run ``input_ids`` after the cached ``past``; blocks until the batch containing it ran."""
+        fut = self._queued(past, input_ids)
+        if (member := getattr(_member, "current", None)) is not None:
+            member[0].arrived(member[1])
+        return fut.result()
+
+    def forward_many(self, requests: list[tuple[torch.Tensor | np.ndarray | None, list[int]]]
+                     ) -> list[ForwardResult]:
+        """:meth:`forward` of several sequences from one thread: queued together, they share
+        the next pass (or passes, beyond ``max_batch``); an error of the pass is raised."""
+        with self._gate:  # the pass waits (at most hold_s) until all of them are queued
+            self._expected += 1
+        try:
+            futures = [self._queued(past, input_ids) for past, input_ids in requests]
+        finally:
+            with self._gate:
+                self._expected -= 1
+                if self._expected <= 0:
+                    self._gate.notify_all()
+        return [f.result() for f in futures]
+
+    def _queued(self, past: torch.Tensor | np.ndarray | None, input_ids: list[int]) -> Future:
         if not input_ids:
             raise ValueError("forward needs at least one new token")
         if past is None:
@@ -164,9 +185,7 @@ class InferenceEngine:
             past = torch.from_numpy(past)
         fut: Future = Future()
         self._queue.put(_Request(past, list(input_ids), fut))
-        if (member := getattr(_member, "current", None)) is not None:
-            member[0].arrived(member[1])
-        return fut.result()
+        return fut
 
     @contextmanager
     def members(self, n: int) -> Iterator[Callable[[Callable[[int], Any], int], Any]]:
@@ -306,6 +325,12 @@ class HFBackend:
                 shape: TurnShape | None = None) -> PrefillOutput:
         """``shape`` (virtual lengths) means nothing to a real engine."""
         return kv_prefill(self.engine, self.store, cache, new_ids)
+
+    def prefill_many(self, caches: list[KVCache | None],
+                     new_ids: list[list[int]]) -> list[PrefillOutput | Exception]:
+        """:meth:`prefill` of a cohort's members from one thread, in one pass
+        (:func:`tasks.generation.kv_prefill_many`)."""
+        return kv_prefill_many(self.engine, self.store, caches, new_ids)
 
     def decode(self, prefilled: PrefillOutput, cache: KVCache | None, params: SamplingParams,
                seed: int, shape: TurnShape | None = None) -> DecodeOutput:

@@ -250,7 +250,33 @@ def prefill_many(backend, prefill_fn, pasts, observations, shapes: list,
             return ENDED
         return _failed(past, obs) or prefill_fn(backend, past, obs, **_shape(shapes[i]))
 
+    together = getattr(prefill_fn, "together", None)
+    if together is not None and len(observations) > 1:
+        out = _prefill_together(backend, together, pasts, observations)
+        if out is not None:
+            return out
     return _on_backend(backend, one, len(observations), Phase.PREFILL, grace_s)
+
+
+def _prefill_together(backend, together: Callable, pasts: list, observations: list
+                      ) -> list | None:
+    """The members' prefills through the stage function's batched form ``together``
+    (:func:`tasks.generation.prefill_together`), all done when it returns; None where the
+    backend has none."""
+    out = [ENDED if ended(obs) else _failed(past, obs)
+           for past, obs in zip(pasts, observations, strict=True)]
+    live = [i for i, o in enumerate(out) if o is None]
+    if not live:
+        return out
+    try:
+        results = together(backend, [pasts[i] for i in live], [observations[i] for i in live])
+    except Exception as exc:  # the pass failed: every member it held
+        results = [exc] * len(live)
+    if results is None:
+        return None
+    for i, r in zip(live, results, strict=True):
+        out[i] = MemberError.of(r) if isinstance(r, Exception) else r
+    return out
 
 
 def decode_many(backend, decode_fn, prefilled: list, pasts, params: list, seeds: list,

@@ -45,6 +45,23 @@ def prefill(backend, past: DecodeOutput | None, observation: EnvObservation,
                            **extra)
 
 
+def prefill_together(backend, pasts: list[DecodeOutput | None],
+                     observations: list[EnvObservation]) -> list | None:
+    """:func:`prefill` of several members from the calling thread, on a backend that runs
+    them together (``prefill_many``, the ``hf`` backend's); None where it cannot (each member
+    then runs on a thread of its own). A member's own failure is returned in its place."""
+    many = getattr(backend, "prefill_many", None)
+    if many is None:
+        return None
+    return many([p.cache if p is not None else None for p in pasts],
+                [list(o.input_ids) for o in observations])
+
+
+# the batched form :func:`tasks.cohort.prefill_many` runs for this stage function (a stage
+# function of one's own, without it, runs member by member)
+prefill.together = prefill_together
+
+
 def decode(backend, prefilled, past: DecodeOutput | None, params: SamplingParams,
            seed: int, shape: TurnShape | None = None) -> DecodeOutput:
     """Sample the turn's response from what prefill left."""
@@ -64,23 +81,54 @@ def response_of(decoded: DecodeOutput) -> TurnSample:
 def kv_prefill(engine, store, cache: KVCache | None, new_ids: list[int]) -> PrefillOutput:
     """KV for ``cache.pending_ids + new_ids`` (new tokens only) and the last logits; what of the
     conversation's KV before them ``store`` lacks is run in the same pass."""
-    key = cache.key if cache is not None else uuid.uuid4().hex
-    history = list(cache.token_ids) if cache is not None else []
-    n_past = cache.n_tokens if cache is not None else 0
-    ids = history + list(new_ids)
-    held = store.lookup(key, history, n_past)
-    m = held.shape[3] if held is not None else 0
-    if n_past > m:
-        store.recomputed(n_past - m)
-    res = engine.forward(held, ids[m:])
-    kv_run = res.kv_new.numpy()
-    kv = np.concatenate([held, kv_run], axis=3) if m else kv_run
-    store.put(key, ids, kv)
-    return PrefillOutput(
-        kv_new=np.ascontiguousarray(kv[:, :, :, n_past:]), last_logits=res.last_logits.numpy(),
-        n_past=n_past, n_new=len(ids) - n_past, policy_version=res.version, key=key,
-        input_ids=ids[n_past:],
-    )
+    turn = _PrefillTurn(store, cache, new_ids)
+    return turn.output(store, engine.forward(turn.held, turn.to_run))
+
+
+def kv_prefill_many(engine, store, caches: list[KVCache | None],
+                    new_ids: list[list[int]]) -> list[PrefillOutput | Exception]:
+    """:func:`kv_prefill` of several conversations from the calling thread, their forwards
+    queued together (:meth:`resources.engine.InferenceEngine.forward_many`): one pass for a
+    cohort, without a thread per member handing the GIL round. A conversation's own failure
+    is returned in its place; a failure of the pass is raised."""
+    turns: list[_PrefillTurn | Exception] = []
+    for cache, ids in zip(caches, new_ids, strict=True):
+        try:
+            turns.append(_PrefillTurn(store, cache, ids))
+        except Exception as exc:
+            turns.append(exc)
+    runs = [t for t in turns if isinstance(t, _PrefillTurn)]
+    results = dict(zip(map(id, runs), engine.forward_many([(t.held, t.to_run) for t in runs]),
+                       strict=True))
+    return [t if isinstance(t, Exception) else t.output(store, results[id(t)]) for t in turns]
+
+
+class _PrefillTurn:
+    """One conversation's prefill: what ``store`` holds of it, and the tokens to run."""
+
+    def __init__(self, store, cache: KVCache | None, new_ids: list[int]):
+        self.key = cache.key if cache is not None else uuid.uuid4().hex
+        history = list(cache.token_ids) if cache is not None else []
+        self.n_past = cache.n_tokens if cache is not None else 0
+        self.ids = history + list(new_ids)
+        self.held = store.lookup(self.key, history, self.n_past)
+        self.m = self.held.shape[3] if self.held is not None else 0
+        if self.n_past > self.m:
+            store.recomputed(self.n_past - self.m)
+        self.to_run = self.ids[self.m:]
+        if not self.to_run:
+            raise ValueError("prefill needs at least one new token")
+
+    def output(self, store, res) -> PrefillOutput:
+        kv_run = res.kv_new.numpy()
+        kv = np.concatenate([self.held, kv_run], axis=3) if self.m else kv_run
+        store.put(self.key, self.ids, kv)
+        return PrefillOutput(
+            kv_new=np.ascontiguousarray(kv[:, :, :, self.n_past:]),
+            last_logits=res.last_logits.numpy(), n_past=self.n_past,
+            n_new=len(self.ids) - self.n_past, policy_version=res.version, key=self.key,
+            input_ids=self.ids[self.n_past:],
+        )
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,

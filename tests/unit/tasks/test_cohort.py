@@ -2,6 +2,8 @@
 
 import threading
 
+import numpy as np
+
 from tasks.cohort import (
     ENDED,
     Deferred,
@@ -199,3 +201,44 @@ def test_members_inputs_carry_each_earlier_result_once_and_resolve_per_member():
     assert sources == [turns, caches]  # each once, however many members read it
     assert inputs(arg) == ["t2", "k1", None, "t0", "obs"]
     assert inputs(["a", None]) == ["a", None]  # a plain list: the inputs themselves
+
+
+def test_a_cohorts_prefill_on_the_hf_backend_runs_in_one_pass_from_the_tasks_thread(
+        make_backend, obs):
+    """The default stage function's batched form: the members' prefills queued together from
+    the task's thread (no thread each), one forward pass, the same outputs as member by member;
+    a member's own failure (nothing to read) and an ended episode stay in their slots. A stage
+    function of one's own runs member by member."""
+    backend = make_backend()
+    prompts = [[3, 6, 7, 4], [3, 8, 9, 10, 11, 4], [3, 12, 4]]
+    first = [prefill(backend, None, obs(p)) for p in prompts]
+    pasts = [DecodeOutput(KVCache(f.key, f.input_ids + [5], len(f.input_ids)), None)
+             for f in first]
+    # the second member has no token to read: none pending in its cache, none observed
+    pasts[1] = DecodeOutput(KVCache(first[1].key, first[1].input_ids, 6), None)
+    nxt = [obs([6, 7]), obs([]), obs([8, 9, 10])]
+    ended_obs = EnvObservation(EnvHandle("w", "e"), "", [3], terminated=True,
+                               sample=TurnSample([5], [0.0], [0], "", False, False, 0))
+    threads = []
+    real = backend.prefill_many
+
+    def prefill_many_seen(*args):
+        threads.append(threading.current_thread())
+        return real(*args)
+
+    backend.prefill_many = prefill_many_seen
+    passes = backend.engine.stats.forward_passes
+    out = prefill_many(backend, prefill, [*pasts, None], [*nxt, ended_obs], [None] * 4)
+    assert threads == [threading.current_thread()]
+    assert backend.engine.stats.forward_passes == passes + 1
+    assert isinstance(out[1], MemberError) and "new token" in out[1].error
+    assert out[3] is ENDED
+    # member by member (a stage function without a batched form; the store holds the same):
+    # the same outputs, the same failure
+    own = prefill_many(backend, lambda b, past, o: prefill(b, past, o), pasts, nxt, [None] * 3)
+    assert threads == [threading.current_thread()]
+    assert isinstance(own[1], MemberError) and "new token" in own[1].error
+    for i in (0, 2):
+        assert out[i].n_past == own[i].n_past and out[i].input_ids == own[i].input_ids
+        np.testing.assert_allclose(out[i].kv_new, own[i].kv_new, atol=1e-5)
+        np.testing.assert_allclose(out[i].last_logits, own[i].last_logits, atol=1e-5)
