@@ -97,10 +97,9 @@ def kv_prefill_many(engine, store, caches: list[KVCache | None],
             turns.append(_PrefillTurn(store, cache, ids))
         except Exception as exc:
             turns.append(exc)
-    runs = [t for t in turns if isinstance(t, _PrefillTurn)]
-    results = dict(zip(map(id, runs), engine.forward_many([(t.held, t.to_run) for t in runs]),
-                       strict=True))
-    return [t if isinstance(t, Exception) else t.output(store, results[id(t)]) for t in turns]
+    results = iter(engine.forward_many([(t.held, t.to_run) for t in turns
+                                        if isinstance(t, _PrefillTurn)]))
+    return [t if isinstance(t, Exception) else t.output(store, next(results)) for t in turns]
 
 
 class _PrefillTurn:
