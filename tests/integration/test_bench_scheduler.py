@@ -21,8 +21,11 @@ from flows.benchmarks.scheduler_capacity import (
 )
 from tests import ROOT
 
-pytestmark = pytest.mark.integration
+# the scripts import this checkout's packages, wherever the editable install points
+ENV = {**os.environ,
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
+pytestmark = pytest.mark.integration
 
 
 def _alive_children() -> set[int]:
@@ -71,12 +74,10 @@ def test_measure_counts_add_up_and_round_trip(tmp_path):
 def test_script_runs_as_a_user_runs_it(tmp_path):
     out = tmp_path / "bench"
     before = _alive_children()
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "flows.benchmarks.scheduler", "--seconds", "1",
                            "--chains", "30", "--concurrency", "4", "--cohort", "2",
                            "--threads", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert _alive_children() <= before
     cap = load_capacity(out)
@@ -90,11 +91,9 @@ def test_script_runs_as_a_user_runs_it(tmp_path):
 def test_member_inputs_bench_runs_both_forms_as_a_user_runs_it(tmp_path):
     out = tmp_path / "inputs"
     before = _alive_children()
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "flows.benchmarks.member_inputs", "--out", str(out)]
     proc = subprocess.run(cmd + ["--tasks", "10", "--members", "8", "--repeats", "2"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert _alive_children() <= before
     figures = json.loads((out / "member_inputs.json").read_text())
@@ -105,5 +104,5 @@ def test_member_inputs_bench_runs_both_forms_as_a_user_runs_it(tmp_path):
                for role in ("driver", "scheduler", "workers"))
     assert "pairs / by_source" in proc.stdout
     bad = subprocess.run(cmd + ["--tasks", "0"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT, env=env)
+                         cwd=ROOT, env=ENV)
     assert bad.returncode == 2 and "--tasks" in bad.stderr
