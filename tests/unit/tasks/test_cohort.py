@@ -3,11 +3,13 @@
 import threading
 
 import numpy as np
+from distributed.protocol import dumps, loads, to_serialize
 
 from tasks.cohort import (
     ENDED,
     Deferred,
     MemberError,
+    Members,
     Phase,
     by_source,
     collect,
@@ -166,6 +168,32 @@ def test_quick_environments_step_in_the_tasks_own_thread_and_waiting_ones_side_b
         assert inline == (kind == "quick"), kind
 
 
+def test_a_cohorts_results_cross_dask_as_one_pickle_whatever_path_made_them():
+    """Dask serialises a plain list result element by element (a header and frames each); a
+    stage's results are :class:`Members`, pickled whole, and arrive as they left."""
+    _, tok = load_policy(PolicySpec(device="cpu"))
+    registry = EnvRegistry("w")
+    lake = {"_component_": "tasks.envs.frozenlake.FrozenLakeText"}
+    obs = [env_reset(registry, tok, lake, i, f"m{i}") for i in range(3)]
+    release = threading.Event()
+    release.set()
+    results = {
+        "inline": env_step_many(registry, tok, lambda r, t, o, s: o.text, lambda d: d, obs,
+                                ["right"] * 3, grace_s=GRACE),
+        "threads": each(_held_member(release, slow=1), 3, Phase.DECODE, grace_s=GRACE),
+        "barrier": each(_held_member(release, slow=1), 3),
+        "collect": collect("no-such-handle", [0, 1], Phase.DECODE, GRACE),
+    }
+    for path, out in results.items():
+        assert isinstance(out, Members), path
+        frames = dumps({"data": to_serialize(out)})
+        back = loads(frames)["data"]
+        assert type(back) is Members and back == out, path
+        assert len(frames) <= 3, (path, len(frames))  # a plain list: one frame per element more
+    plain = dumps({"data": to_serialize(list(results["inline"]))})
+    assert len(plain) > len(dumps({"data": to_serialize(results["inline"])}))
+
+
 def test_a_look_ahead_turn_after_the_episodes_end_runs_nothing_and_says_so():
     """The members' next turn, submitted ahead: a member whose turn before ended its episode
     (done, or the context full) is not prefilled, decoded or stepped; its mates are."""
@@ -229,7 +257,7 @@ def test_a_cohorts_prefill_on_the_hf_backend_runs_in_one_pass_from_the_tasks_thr
     backend.prefill_many = prefill_many_seen
     passes = backend.engine.stats.forward_passes
     out = prefill_many(backend, prefill, [*pasts, None], [*nxt, ended_obs], [None] * 4)
-    assert threads == [threading.current_thread()]
+    assert threads == [threading.current_thread()] and isinstance(out, Members)
     assert backend.engine.stats.forward_passes == passes + 1
     assert isinstance(out[1], MemberError) and "new token" in out[1].error
     assert out[3] is ENDED
