@@ -3,7 +3,10 @@
 The ``hf`` backend's KV travels (a turn's new tokens', prefill to decode) as one float32 numpy
 array shaped ``[layers, 2 (k|v), kv_heads, tokens, head_dim]``: numpy arrays cross Dask as
 zero-copy frames, while Dask's torch serialiser goes through ``Tensor.numpy()`` and so fails on
-CUDA and bf16 tensors (dask/distributed issues #6111, #8001).
+CUDA and bf16 tensors (dask/distributed issues #6111, #8001). A frame costs the receiving worker
+a read of its own (``distributed.comm.tcp.TCP.read`` reads each out-of-band buffer separately), so
+arrays up to :data:`INBAND_BYTES` travel inside the pickle instead: a cohort's prefill outputs of
+the tiny policy are some hundred small arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +16,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+# arrays up to this size cross Dask inside the pickle (copied once), larger ones as frames of
+# their own (zero-copy, a read each)
+INBAND_BYTES = 64 * 1024
+
+
+def _inband(a: np.ndarray) -> Any:
+    """What pickles ``a``: itself (a frame of its own) when large, else its bytes."""
+    if a.nbytes > INBAND_BYTES:
+        return a
+    return a.dtype.str, a.shape, bytearray(np.ascontiguousarray(a).data)
+
+
+def _array(state: Any) -> np.ndarray:
+    if isinstance(state, np.ndarray):
+        return state
+    dtype, shape, raw = state
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)  # writable: over a bytearray
 
 
 @dataclass
@@ -34,6 +55,14 @@ class PrefillOutput:
 
     def __sizeof__(self) -> int:  # what Dask's sizeof reports, for transfers and memory
         return int(self.kv_new.nbytes + self.last_logits.nbytes) + 128
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"kv_new": _inband(self.kv_new),
+                                "last_logits": _inband(self.last_logits)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, kv_new=_array(state["kv_new"]),
+                             last_logits=_array(state["last_logits"]))
 
 
 @dataclass

@@ -30,6 +30,7 @@ from tasks.records import (
     EnvHandle,
     EnvObservation,
     KVCache,
+    PrefillOutput,
     SamplingParams,
     TurnSample,
 )
@@ -192,6 +193,31 @@ def test_a_cohorts_results_cross_dask_as_one_pickle_whatever_path_made_them():
         assert len(frames) <= 3, (path, len(frames))  # a plain list: one frame per element more
     plain = dumps({"data": to_serialize(list(results["inline"]))})
     assert len(plain) > len(dumps({"data": to_serialize(results["inline"])}))
+
+
+def test_a_prefills_small_arrays_travel_inside_the_pickle_and_large_ones_as_frames():
+    """Each out-of-band buffer is a read of its own for the receiving worker: a cohort of the
+    tiny policy's prefills goes as one frame; a large KV keeps its zero-copy frame."""
+    rng = np.random.default_rng(0)
+
+    def out(tokens):
+        return PrefillOutput(kv_new=rng.random((2, 2, 2, tokens, 16), dtype=np.float32),
+                             last_logits=rng.random(300, dtype=np.float32), n_past=4,
+                             n_new=tokens, policy_version=1, key="k", input_ids=[5] * tokens)
+
+    def frames(x):
+        return dumps({"data": to_serialize(x)})
+
+    empty = len(frames(Members()))
+    for tokens, own_frames in ((12, 0), (2000, 20)):  # KV of 6 KiB in the pickle; 1 MiB a frame
+        sent = Members(out(tokens) for _ in range(20))
+        assert len(frames(sent)) == empty + own_frames
+        got = loads(frames(sent))["data"]
+        for a, b in zip(sent, got, strict=True):
+            assert b.kv_new.flags.writeable and b.last_logits.flags.writeable
+            np.testing.assert_array_equal(a.kv_new, b.kv_new)
+            np.testing.assert_array_equal(a.last_logits, b.last_logits)
+            assert (b.n_past, b.n_new, b.input_ids) == (a.n_past, a.n_new, a.input_ids)
 
 
 def test_a_look_ahead_turn_after_the_episodes_end_runs_nothing_and_says_so():
