@@ -52,8 +52,8 @@ HOLD_FRACTION = 0.25
 class Members(list):
     """A stage's results, one slot per member: a list Dask pickles whole. A plain ``list``
     task result is serialised element by element (``distributed``'s ``to_serialize`` iterates
-    lists, a header and frames per element), which for a cohort of ~50 small records cost three
-    times the CPU of one pickle, on the worker sending it and the one receiving it."""
+    lists, a header and frames per element), which for a cohort of ~50 small records cost two
+    to three times the CPU of one pickle, on the worker sending it and the one receiving it."""
 
     __slots__ = ()
 
