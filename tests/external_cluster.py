@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from resources.cluster import WORKER_ENV as CLUSTER_WORKER_ENV
+from tests import CHECKOUT_PYTHONPATH, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # the pools of the embedded default, one worker each, with its slot counts
 POOLS = {"GPU_COMPUTE": 16, "GPU_BANDWIDTH": 16, "CPU_ENV": 16, "TRAINER": 4, "SERVERLESS": 4}
 # the embedded cluster's worker environment; and the workers unpickle this module's KillOnce
-WORKER_ENV = CLUSTER_WORKER_ENV | {
-    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+WORKER_ENV = CLUSTER_WORKER_ENV | {"PYTHONPATH": CHECKOUT_PYTHONPATH}
 
 
 def _free_port() -> int:

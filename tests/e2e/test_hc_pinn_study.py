@@ -40,12 +40,10 @@ from tasks.hc_pinn.ntk import (
 )
 from tasks.hc_pinn.problems import get_problem
 from tasks.hc_pinn.study import Failure, StudyCase, StudyRun
-from tests import ROOT
+from tests import CHECKOUT_PYTHONPATH, ROOT
 
 STUDY = ROOT / "flows" / "hc_pinn_study.py"
-# the flow imports this checkout's packages, wherever the editable install points
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+ENV = {**os.environ, "PYTHONPATH": CHECKOUT_PYTHONPATH}
 SMALL = ["--problems", "poisson1d", "--specs", "poly 1", "sine 4", "rfun 1", "--seeds", "0", "1",
          "--steps", "100"]
 OUTPUTS = ("results.json", "results.csv", "summary.md", "hc_pinn_study.png")

@@ -19,11 +19,9 @@ from flows.benchmarks.scheduler_capacity import (
     load_capacity,
     save_capacity,
 )
-from tests import ROOT
+from tests import CHECKOUT_PYTHONPATH, ROOT
 
-# the scripts import this checkout's packages, wherever the editable install points
-ENV = {**os.environ,
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+ENV = {**os.environ, "PYTHONPATH": CHECKOUT_PYTHONPATH}
 
 pytestmark = pytest.mark.integration
 

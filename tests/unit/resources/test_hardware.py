@@ -32,7 +32,7 @@ from resources.hardware import (
     worker_resources,
 )
 from resources.pools import Role, Stage, Tag
-from tests import ROOT
+from tests import CHECKOUT_PYTHONPATH
 
 # ---- GPU name -> profile, detection, the preload's options -------------------------------
 
@@ -183,8 +183,8 @@ def test_malformed_or_absent_advertisements_are_skipped(caplog):
 
 
 def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "DASK_LOGGING__DISTRIBUTED": "warning"}
+    return {**os.environ, "PYTHONPATH": CHECKOUT_PYTHONPATH,
+            "DASK_LOGGING__DISTRIBUTED": "warning"}
 
 
 class Processes:
