@@ -86,19 +86,31 @@ class DeviceModel:
             raise ValueError("an engine has at least one device")
         self.model, self.hw, self.gpus = model, hw, gpus
         self.mfu, self.mbu, self.memory_utilization = mfu, mbu, memory_utilization
+        # The model's and the engine's constants, worked out once: the simulator and the router
+        # time millions of steps. An engine's model, profile and size do not change (the spec
+        # and the profile are frozen); each is the same expression, in the same order, that the
+        # methods below would evaluate, so every time is bit-for-bit what it was.
+        self._flops_rate = hw.peak_flops * gpus * mfu
+        self._bytes_rate = hw.mem_bandwidth * gpus * mbu
+        per_layer = hw.layer_floor_s + (hw.moe_layer_floor_s if model.moe else 0.0)
+        self._step_floor = hw.step_floor_s + model.layers * per_layer
+        self._moe, self._body, self._head = model.moe, model.body_params, model.head_params
+        self._token_flops = 2.0 * (self._body + self._head)  # a decoded token's matmuls
+        self._attention = 4.0 * model.layers * model.q_dim  # attention_flops per query-key
+        self._kv = model.kv_bytes_per_token
+        self._unrouted = model.shared_params - model.lookup_params  # a MoE's weights every step
+        self._dense_weights = (model.params_total - model.lookup_params) * model.bytes_per_param
+        self._all_reduce = 2 * (gpus - 1) / gpus  # of the activations, over each device's link
 
     def _roofline(self, flops: float, bytes_moved: float) -> float:
-        return max(flops / (self.hw.peak_flops * self.gpus * self.mfu),
-                   bytes_moved / (self.hw.mem_bandwidth * self.gpus * self.mbu))
+        return max(flops / self._flops_rate, bytes_moved / self._bytes_rate)
 
     # -- floor and communication -----------------------------------------------------------------
     @property
     def step_floor(self) -> float:
         """Seconds every engine step takes whatever its work: the host's step plus each
         layer's kernels (a MoE layer's more)."""
-        hw, m = self.hw, self.model
-        per_layer = hw.layer_floor_s + (hw.moe_layer_floor_s if m.moe else 0.0)
-        return hw.step_floor_s + m.layers * per_layer
+        return self._step_floor
 
     def _collective(self, nbytes: float) -> float:
         """One collective call moving ``nbytes`` over each device's link."""
@@ -114,15 +126,15 @@ class DeviceModel:
         if g == 1 or not m.hidden or not m.layers:
             return 0.0
         activations = tokens * m.hidden * ACTIVATION_BYTES
-        all_reduce = self._collective(2 * (g - 1) / g * activations)
-        if not m.moe:
+        all_reduce = self._collective(self._all_reduce * activations)
+        if not self._moe:
             return m.layers * 2 * all_reduce
         all_to_all = self._collective(activations * m.experts_per_token * (g - 1) / g / g)
         return m.layers * (all_reduce + 2 * all_to_all)
 
     def step_time(self, flops: float, bytes_moved: float, tokens: float) -> float:
         """One engine step of this work over ``tokens`` tokens: floor, communication, roofline."""
-        return self.step_floor + self.comm_time(tokens) + self._roofline(flops, bytes_moved)
+        return self._step_floor + self.comm_time(tokens) + self._roofline(flops, bytes_moved)
 
     # -- memory ---------------------------------------------------------------------------------
     @property
@@ -140,7 +152,7 @@ class DeviceModel:
         """Distinct routed experts per layer that ``tokens`` tokens touch: ``E (1 - (1 - k/E)^T)``
         (0 for a dense model)."""
         m = self.model
-        if not m.moe or tokens <= 0:
+        if not self._moe or tokens <= 0:
             return 0.0
         return m.experts * (1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens)
 
@@ -150,28 +162,25 @@ class DeviceModel:
         is read a row per token, which is left out. A MoE spec without expert shapes reads
         ``active`` parameters per token, at most all."""
         m = self.model
-        if m.moe:
+        if self._moe:
             routed = m.layers * self.expected_experts(tokens) * m.expert_params
-            return (m.shared_params - m.lookup_params + routed) * m.bytes_per_param
+            return (self._unrouted + routed) * m.bytes_per_param
         if m.params_active < m.params_total:
             return min(m.params_total, m.params_active * max(tokens, 1)) * m.bytes_per_param
-        return (m.params_total - m.lookup_params) * m.bytes_per_param
+        return self._dense_weights
 
     def _prefill_compute(self, n: int, cached: int) -> tuple[float, float]:
         """FLOPs and KV bytes of a prefill chunk, the weights left out: the head's logits at
         its last token only (what the engine samples from)."""
-        m = self.model
-        flops = 2.0 * (m.body_params * n + m.head_params) + m.attention_flops(n, cached + n / 2)
-        return flops, m.kv_bytes_per_token * (cached + n)
+        flops = 2.0 * (self._body * n + self._head) + self._attention * n * (cached + n / 2)
+        return flops, self._kv * (cached + n)
 
     def _decode_compute(self, batch: int, total_context: float) -> tuple[float, float]:
         """FLOPs and KV bytes of a decode step: they depend on its batch only through its size
         and the sum of its contexts (what lets the simulator keep a running batch as two
         numbers)."""
-        m = self.model
-        flops = 2.0 * (m.body_params + m.head_params) * batch + m.attention_flops(
-            1, total_context)
-        return flops, m.kv_bytes_per_token * total_context
+        flops = self._token_flops * batch + self._attention * total_context
+        return flops, self._kv * total_context
 
     def prefill_work(self, n: int, cached: int = 0) -> tuple[float, float]:
         """FLOPs and bytes (weights and KV) of one prefill step of ``n`` tokens after
