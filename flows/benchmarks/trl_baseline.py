@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from flows.benchmarks.trl_compare import compare, run_figures
+from flows.benchmarks.trl_compare import FROZEN_LR, compare, run_figures
 from flows.config import TrainConfig, load_config, reward_callables
 from flows.config.derived import batch_trajectories, reward_name
-from flows.monitoring.metrics import by_env
+from flows.monitoring.metrics import by_env, token_metrics
 from flows.training.episode import RolloutRecord, sampling_params, score_requests, turn_ends
 from flows.training.orchestration import GroupDraw
 from resources.heap import keep_freed_memory
@@ -225,7 +225,8 @@ def reward_scorer(cfg: TrainConfig):
 
 def step_logger(rollout: MultiTurnRollout, minibatches: int, rows: list[dict]):
     """A TRL callback writing RollArc's metric row per train step (one generation batch):
-    ``train/step``, ``perf/elapsed_s`` from the start of training, ``env/<task>/success``."""
+    ``train/step``, ``perf/elapsed_s`` from the start of training, the batch's size and tokens
+    (:func:`token_metrics`), ``env/<task>/success``."""
     from transformers import TrainerCallback
 
     class StepLog(TrainerCallback):
@@ -236,7 +237,8 @@ def step_logger(rollout: MultiTurnRollout, minibatches: int, rows: list[dict]):
             if state.global_step % minibatches:
                 return
             row = {"train/step": state.global_step // minibatches,
-                   "perf/elapsed_s": time.perf_counter() - self.t0}
+                   "perf/elapsed_s": time.perf_counter() - self.t0,
+                   **token_metrics(rollout.last_batch)}
             for name, ts in by_env(rollout.last_batch).items():
                 row[f"env/{name}/success"] = sum(t.success for t in ts) / len(ts)
             rows.append(row)
@@ -289,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true",
                     help="RollArc's default and TRL back to back over --seeds, interleaved")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--frozen", action="store_true",
+                    help="both policies held at their initialisation (learning rate "
+                         f"{FROZEN_LR:g}, every pass still run): every step the same work in "
+                         "both systems, so s/step compares the systems alone")
     # RollArc's workers run one torch thread each (cluster.pools[].torch_threads); on tensors
     # this small a second OpenMP thread buys nothing and, on a loaded machine, spins
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the TRL process")
@@ -301,12 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = [*args.overrides, f"trainer.hparams.lr={FROZEN_LR}"] if args.frozen \
+        else args.overrides
     if args.compare:
-        compare(args.seeds, args.steps, Path(args.out or "runs/trl_compare"), args.overrides,
+        compare(args.seeds, args.steps, Path(args.out or "runs/trl_compare"), overrides,
                 args.threads, args.heap_keep_mb)
         return 0
     cfg = load_config(None, [f"seed={args.seed}", f"trainer.max_steps={args.steps}",
-                             "policy.device=cpu", *args.overrides])
+                             "policy.device=cpu", *overrides])
     figures = run_baseline(cfg, Path(args.out or f"runs/trl_baseline/seed{args.seed}"),
                            args.threads, args.heap_keep_mb)
     logger.info("trl %s: %.2f s/step, target at step %s (%s s)", figures["trl_version"],

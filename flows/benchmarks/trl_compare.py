@@ -4,6 +4,13 @@ by side: each run in a fresh process, seeds interleaved, with the CPU its proces
 TRL seed by seed, called a difference only when every seed agrees.
 
     python -m flows.benchmarks.trl_baseline --compare --steps 80 --seeds 0 1 2
+    python -m flows.benchmarks.trl_baseline --compare --frozen --steps 40 --seeds 0 1 2
+
+A learning run's step is as long as its policy's episodes: the two systems' steps are equal
+work only while their policies play alike, so a learning comparison also reports seconds per
+thousand trained tokens. ``--frozen`` holds both policies at their initialisation (every
+pass, optimizer step and weight sync still runs, at a learning rate of ``FROZEN_LR``): every
+step is then the same work in both, and s/step compares the systems alone.
 """
 
 from __future__ import annotations
@@ -25,18 +32,30 @@ from flows.monitoring.metrics import read_metrics
 logger = logging.getLogger(__name__)
 
 SUCCESS_KEY = "env/frozenlake/success"
+# the learning rate of --frozen: AdamW moves a weight by about the learning rate per step, so
+# 1e-12 leaves the policy's samples as they were (the initial weights are ~1e-2, float32 resolves
+# 1e-9 of them) while every pass of the update still runs
+FROZEN_LR = 1e-12
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_figures(rows: list[dict]) -> dict:
     """A run's figures from its train steps' metric rows (RollArc's or TRL's, one per step):
-    per-step wall times, seconds per step over the run, and the step and elapsed seconds at
-    which FrozenLake's success, averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
+    per-step wall times, seconds per step over the run, the tokens its batches trained
+    (sequence tokens, what a step's rollouts and passes grow with: a policy that has learned
+    plays shorter episodes, so steps of two runs are equal work only while their policies
+    play alike) and seconds per thousand of them, and the step and elapsed seconds at which
+    FrozenLake's success, averaged over ``WINDOW`` steps, first reaches ``TARGET``."""
     elapsed = [float(r["perf/elapsed_s"]) for r in rows]
     step_s = [b - a for a, b in zip([0.0, *elapsed], elapsed, strict=False)]
     reached = steps_to_target(rows, SUCCESS_KEY)
+    sized = [r for r in rows if "rollout/sequence_tokens" in r]
+    tokens = (sum(r["rollout/sequence_tokens"] * r["rollout/batch_trajectories"] for r in sized)
+              if rows and len(sized) == len(rows) else None)
     return {"steps": len(rows), "elapsed_s": elapsed[-1] if elapsed else 0.0,
             "s_per_step": elapsed[-1] / len(rows) if rows else None,
+            "trained_tokens": tokens,
+            "s_per_1k_tokens": 1000 * elapsed[-1] / tokens if tokens else None,
             "step_s_median": median(step_s) if step_s else None, "step_s": step_s,
             "step_to_target": reached[0] if reached else None,
             "s_to_target": reached[1] if reached else None}
@@ -71,8 +90,8 @@ def compare_report(runs: list[dict], console) -> dict:
     by = {s: [r for r in runs if r["system"] == s] for s in systems}
     table = Table(title=escape(f"RollArc default vs TRL GRPOTrainer (median [min, max] over "
                                f"seeds); target: FrozenLake {TARGET} over {WINDOW} steps"))
-    for col in ("system", "s/step", "step to target", "s to target", "reached", "cores busy",
-                "core-s/step (cores busy x s/step)"):
+    for col in ("system", "s/step", "s per 1k trained tokens", "step to target", "s to target",
+                "reached", "cores busy", "core-s/step (cores busy x s/step)"):
         table.add_column(col)
     out: dict = {"runs": runs, "systems": {}, "ratios": {}}
     for s, rs in by.items():
@@ -80,6 +99,7 @@ def compare_report(runs: list[dict], console) -> dict:
             return [r[key] for r in rs if r.get(key) is not None]
 
         row = {"s_per_step": spread(vals("s_per_step")),
+               "s_per_1k_tokens": spread(vals("s_per_1k_tokens")),
                "step_to_target": spread(vals("step_to_target")),
                "s_to_target": spread(vals("s_to_target")),
                "reached": f"{len(vals('step_to_target'))}/{len(rs)}",
@@ -88,7 +108,7 @@ def compare_report(runs: list[dict], console) -> dict:
         out["systems"][s] = row
         table.add_row(s, *row.values())
     console.print(table)
-    for key in ("s_per_step", "s_to_target", "core_s_per_step"):
+    for key in ("s_per_step", "s_per_1k_tokens", "s_to_target", "core_s_per_step"):
         ratios = [a[key] / b[key] for a in by["rollarc"] for b in by["trl"]
                   if a["seed"] == b["seed"] and a.get(key) is not None and b.get(key)]
         if not ratios:

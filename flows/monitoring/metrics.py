@@ -33,19 +33,24 @@ def episode_metrics(prefix: str, ts: list[Trajectory]) -> dict[str, float]:
             f"{prefix}/format_errors": float(np.mean([t.format_errors for t in ts]))}
 
 
+def token_metrics(trajs: list[Trajectory]) -> dict:
+    """A train batch's size and work: its trajectories, their mean sampled tokens and mean
+    sequence tokens (what the trainer's passes run over)."""
+    return {"rollout/batch_trajectories": len(trajs),
+            "rollout/response_tokens": float(np.mean([t.loss_mask.sum() for t in trajs])),
+            "rollout/sequence_tokens": float(np.mean([len(t.token_ids) for t in trajs]))}
+
+
 def batch_metrics(trajs: list[Trajectory], staleness: list[int], dropped_stale: int) -> dict:
     """``reward/``, ``rollout/`` and ``env/<name>/`` figures of one train batch."""
     m: dict = {
         "reward/mean": float(np.mean([t.reward for t in trajs])),
         "reward/std": float(np.std([t.reward for t in trajs])),
-        "rollout/batch_trajectories": len(trajs),
         "rollout/staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
         "rollout/staleness_max": int(max(staleness)) if staleness else 0,
         "rollout/dropped_stale": dropped_stale,
         "rollout/truncated": float(np.mean([t.truncated for t in trajs])),
-        "rollout/response_tokens": float(np.mean([t.loss_mask.sum() for t in trajs])),
-        "rollout/sequence_tokens": float(np.mean([len(t.token_ids) for t in trajs])),
-    }
+    } | token_metrics(trajs)
     for name, ts in by_env(trajs).items():
         m |= episode_metrics(f"env/{name}", ts)
         m[f"env/{name}/reward"] = float(np.mean([t.reward for t in ts]))

@@ -95,6 +95,8 @@ def test_a_short_trl_run_writes_rollarcs_metric_rows(tmp_path):
     assert [r["train/step"] for r in rows] == [1, 2]
     assert 0 < rows[0]["perf/elapsed_s"] < rows[1]["perf/elapsed_s"]
     assert all(0 <= v <= 1 for r in rows for k, v in r.items() if k.endswith("/success"))
+    assert all(r["rollout/batch_trajectories"] == 16 and r["rollout/sequence_tokens"] > 0
+               for r in rows)
     saved = json.loads((tmp_path / "trl_baseline.json").read_text())
     assert saved == figures and saved["steps"] == 2 and len(saved["step_s"]) == 2
     assert saved["trl_version"].startswith("1.")
