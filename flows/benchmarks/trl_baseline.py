@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from flows.benchmarks.trl_compare import FROZEN_LR, compare, run_figures
+from flows.benchmarks.trl_compare import FROZEN_LR, compare, pool, run_figures
 from flows.config import TrainConfig, load_config, reward_callables
 from flows.config.derived import batch_trajectories, reward_name
 from flows.monitoring.metrics import by_env, token_metrics
@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", action="store_true",
                     help="RollArc's default and TRL back to back over --seeds, interleaved")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--pool", nargs="+", metavar="DIR", default=None,
+                    help="report the runs of earlier --compare outputs (DIR/compare.json) as "
+                         "one, seeds paired as before; --out DIR keeps the pooled compare.json")
     ap.add_argument("--frozen", action="store_true",
                     help="both policies held at their initialisation (learning rate "
                          f"{FROZEN_LR:g}, every pass still run): every step the same work in "
@@ -309,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = [*args.overrides, f"trainer.hparams.lr={FROZEN_LR}"] if args.frozen \
         else args.overrides
+    if args.pool:
+        try:
+            pool([Path(d) for d in args.pool], Path(args.out) if args.out else None)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        return 0
     if args.compare:
         compare(args.seeds, args.steps, Path(args.out or "runs/trl_compare"), overrides,
                 args.threads, args.heap_keep_mb)

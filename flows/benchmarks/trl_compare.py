@@ -5,6 +5,7 @@ TRL seed by seed, called a difference only when every seed agrees.
 
     python -m flows.benchmarks.trl_baseline --compare --steps 80 --seeds 0 1 2
     python -m flows.benchmarks.trl_baseline --compare --frozen --steps 40 --seeds 0 1 2
+    python -m flows.benchmarks.trl_baseline --pool runs/trl_compare runs/trl_compare_345
 
 A learning run's step is as long as its policy's episodes: the two systems' steps are equal
 work only while their policies play alike, so a learning comparison also reports seconds per
@@ -122,6 +123,30 @@ def compare_report(runs: list[dict], console) -> dict:
         console.print(escape(f"rollarc / trl {key}: {median(ratios):.2f}x [{min(ratios):.2f}, "
                              f"{max(ratios):.2f}] over {len(ratios)} seeds: {verdict}"))
     return out
+
+
+def pool(dirs: list[Path], out: Path | None = None) -> dict:
+    """The runs of several ``--compare`` outputs (their ``compare.json``) reported as one, so
+    that seeds run at different times add up; a system's seed may appear once only, since
+    RollArc and TRL are paired by seed. Written to ``out``/compare.json when given."""
+    runs: list[dict] = []
+    for d in dirs:
+        path = Path(d) / "compare.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"--pool {d}: no compare.json there (a --compare output)")
+        runs += json.loads(path.read_text())["runs"]
+    seen: set[tuple[str, int]] = set()
+    for r in runs:
+        key = (r["system"], r["seed"])
+        if key in seen:
+            raise ValueError(f"--pool: {r['system']} seed {r['seed']} is in more than one of "
+                             f"{[str(d) for d in dirs]}; pool runs of different seeds")
+        seen.add(key)
+    result = compare_report(runs, Console())
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 def compare(seeds: list[int], steps: int, out: Path, overrides: list[str], threads: int = 1,

@@ -3,6 +3,7 @@ figures read from a run's metric rows, and the comparison over seeds. Needs no `
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -49,3 +50,24 @@ def test_comparison_calls_a_gain_only_when_every_seed_agrees():
                                run("rollarc", 1, 3.0), run("trl", 1, 2.0)], console)
     assert mixed["ratios"]["s_per_step"]["verdict"] == "no difference beyond the spread"
     assert "s_to_target" not in mixed["ratios"]
+
+
+def test_pooled_comparisons_pair_seeds_across_their_outputs(tmp_path, capsys):
+    def run(system, seed, s):
+        return {"system": system, "seed": seed, "s_per_step": s, "step_to_target": None,
+                "s_to_target": None}
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, runs in ((first, [run("rollarc", 0, 1.0), run("trl", 0, 2.0)]),
+                    (second, [run("rollarc", 1, 3.0), run("trl", 1, 2.0)])):
+        d.mkdir()
+        (d / "compare.json").write_text(json.dumps({"runs": runs}))
+    pooled = tc.pool([first, second], tmp_path / "pooled")
+    assert pooled["ratios"]["s_per_step"]["seeds"] == 2
+    assert pooled["ratios"]["s_per_step"]["median"] == pytest.approx(1.0)  # 0.5 and 1.5
+    saved = json.loads((tmp_path / "pooled" / "compare.json").read_text())
+    assert saved["ratios"] == pooled["ratios"]
+    with pytest.raises(ValueError, match="rollarc seed 0"):
+        tc.pool([first, first])
+    with pytest.raises(FileNotFoundError, match="no compare.json"):
+        tc.pool([tmp_path / "pooled" / "missing"])
