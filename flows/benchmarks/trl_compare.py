@@ -33,9 +33,9 @@ from flows.monitoring.metrics import read_metrics
 logger = logging.getLogger(__name__)
 
 SUCCESS_KEY = "env/frozenlake/success"
-# the learning rate of --frozen: AdamW moves a weight by about the learning rate per step, so
-# 1e-12 leaves the policy's samples as they were (the initial weights are ~1e-2, float32 resolves
-# 1e-9 of them) while every pass of the update still runs
+# the learning rate of --frozen: AdamW moves a weight by about the learning rate per step, and
+# 1e-12 is below float32's resolution at the initial weights' size (~1e-2: steps of ~1e-9), so the
+# policy's samples stay as they were while every pass of the update still runs
 FROZEN_LR = 1e-12
 ROOT = Path(__file__).resolve().parents[2]
 

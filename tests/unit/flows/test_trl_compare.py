@@ -52,7 +52,7 @@ def test_comparison_calls_a_gain_only_when_every_seed_agrees():
     assert "s_to_target" not in mixed["ratios"]
 
 
-def test_pooled_comparisons_pair_seeds_across_their_outputs(tmp_path, capsys):
+def test_pooled_comparisons_pair_seeds_across_their_outputs(tmp_path):
     def run(system, seed, s):
         return {"system": system, "seed": seed, "s_per_step": s, "step_to_target": None,
                 "s_to_target": None}
