@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 SUCCESS_KEY = "env/frozenlake/success"
 # the learning rate of --frozen: AdamW moves a weight by about the learning rate per step, and
-# 1e-12 is below float32's resolution at the initial weights' size (~1e-2: steps of ~1e-9), so the
-# policy's samples stay as they were while every pass of the update still runs
+# 1e-12 is below float32's resolution at the initial weights' size (~1e-2: steps of ~1e-9; a
+# zero-initialised bias does move, by ~1e-12 a step), so the policy's samples stay as they were
+# while every pass of the update still runs
 FROZEN_LR = 1e-12
 ROOT = Path(__file__).resolve().parents[2]
 
