@@ -96,7 +96,7 @@ class DeviceModel:
         self._step_floor = hw.step_floor_s + model.layers * per_layer
         self._moe, self._body, self._head = model.moe, model.body_params, model.head_params
         self._token_flops = 2.0 * (self._body + self._head)  # a decoded token's matmuls
-        self._attention = 4.0 * model.layers * model.q_dim  # attention_flops per query-key
+        self._attention = model.attention_pair_flops
         self._kv = model.kv_bytes_per_token
         self._unrouted = model.shared_params - model.lookup_params  # a MoE's weights every step
         self._dense_weights = (model.params_total - model.lookup_params) * model.bytes_per_param

@@ -72,9 +72,14 @@ class ModelSpec(BaseModel):
         """Active parameters every token multiplies through, the head and the table left out."""
         return self.params_active - self.lookup_params - self.head_params
 
+    @property
+    def attention_pair_flops(self) -> float:
+        """QK^T and AV of one query over one key, all layers."""
+        return 4.0 * self.layers * self.q_dim
+
     def attention_flops(self, tokens: float, positions: float) -> float:
         """QK^T and AV of ``tokens`` queries over ``positions`` keys each, all layers."""
-        return 4.0 * self.layers * self.q_dim * tokens * positions
+        return self.attention_pair_flops * tokens * positions
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | Path, kv_bytes: float = 2.0,
