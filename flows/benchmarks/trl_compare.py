@@ -51,9 +51,8 @@ def run_figures(rows: list[dict]) -> dict:
     elapsed = [float(r["perf/elapsed_s"]) for r in rows]
     step_s = [b - a for a, b in zip([0.0, *elapsed], elapsed, strict=False)]
     reached = steps_to_target(rows, SUCCESS_KEY)
-    sized = [r for r in rows if "rollout/sequence_tokens" in r]
-    tokens = (sum(r["rollout/sequence_tokens"] * r["rollout/batch_trajectories"] for r in sized)
-              if rows and len(sized) == len(rows) else None)
+    tokens = (sum(r["rollout/sequence_tokens"] * r["rollout/batch_trajectories"] for r in rows)
+              if rows and all("rollout/sequence_tokens" in r for r in rows) else None)
     return {"steps": len(rows), "elapsed_s": elapsed[-1] if elapsed else 0.0,
             "s_per_step": elapsed[-1] / len(rows) if rows else None,
             "trained_tokens": tokens,
