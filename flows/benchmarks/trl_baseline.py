@@ -288,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=80, help="train steps (trainer.max_steps)")
     ap.add_argument("--seed", type=int, default=0, help="seed of one TRL run")
-    ap.add_argument("--compare", action="store_true",
-                    help="RollArc's default and TRL back to back over --seeds, interleaved")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--compare", action="store_true",
+                      help="RollArc's default and TRL back to back over --seeds, interleaved")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--pool", nargs="+", metavar="DIR", default=None,
-                    help="report the runs of earlier --compare outputs (DIR/compare.json) as "
-                         "one, seeds paired as before; --out DIR keeps the pooled compare.json")
+    what.add_argument("--pool", nargs="+", metavar="DIR", default=None,
+                      help="report the runs of earlier --compare outputs (DIR/compare.json) as "
+                           "one, seeds paired as before; --out DIR keeps the pooled compare.json")
     ap.add_argument("--frozen", action="store_true",
                     help="both policies held at their initialisation (learning rate "
                          f"{FROZEN_LR:g}, every pass still run): every step the same work in "
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, f"trainer.hparams.lr={FROZEN_LR}"] if args.frozen \
         else args.overrides
     if args.pool:
+        if args.frozen or args.overrides:
+            ap.error("--pool reports runs already made: --frozen and overrides do not apply")
         try:
             pool([Path(d) for d in args.pool], Path(args.out) if args.out else None)
         except (OSError, ValueError) as e:

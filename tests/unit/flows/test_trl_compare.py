@@ -71,3 +71,15 @@ def test_pooled_comparisons_pair_seeds_across_their_outputs(tmp_path):
         tc.pool([first, first])
     with pytest.raises(FileNotFoundError, match="no compare.json"):
         tc.pool([tmp_path / "pooled" / "missing"])
+
+
+def test_pool_reports_earlier_runs_and_takes_no_run_options(capsys):
+    from flows.benchmarks import trl_baseline
+
+    for argv in (["--pool", "a", "--compare"], ["--pool", "a", "--frozen"],
+                 ["--pool", "a", "seed=3"]):
+        with pytest.raises(SystemExit) as exc:
+            trl_baseline.main(argv)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err and "--frozen and overrides do not apply" in err
