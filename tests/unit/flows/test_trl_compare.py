@@ -1,5 +1,6 @@
 """RollArc's default and the TRL baseline side by side (flows/benchmarks/trl_compare.py): the
-figures read from a run's metric rows, and the comparison over seeds. Needs no ``trl``."""
+figures read from a run's metric rows, the comparison over seeds and the pooled report. Needs no
+``trl``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from flows.benchmarks import trl_baseline
 from flows.benchmarks import trl_compare as tc
 
 
@@ -74,8 +76,6 @@ def test_pooled_comparisons_pair_seeds_across_their_outputs(tmp_path):
 
 
 def test_pool_reports_earlier_runs_and_takes_no_run_options(capsys):
-    from flows.benchmarks import trl_baseline
-
     for argv in (["--pool", "a", "--compare"], ["--pool", "a", "--frozen"],
                  ["--pool", "a", "seed=3"]):
         with pytest.raises(SystemExit) as exc:
