@@ -181,13 +181,33 @@ def test_a_prediction_never_reads_the_measures_of_what_it_predicts(monkeypatch):
     assert [r["simulated_step_s"] for r in a] == [r["simulated_step_s"] for r in b]
 
 
+def _leaves(x, path: str = ""):
+    """(path, value) of every leaf of a nested structure of dicts and lists."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{path}.{k}")
+    elif isinstance(x, list | tuple):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
 def test_the_stored_calibration_is_what_the_stored_run_fits():
     """The calibration the held-out test uses is the fit of the stored calibration digest:
-    a change to the fit shows here first."""
+    a change to the fit shows here first. Equal to 1e-9 relative, not bit for bit: the fits'
+    last bits differ between machines with the same numpy (seen: 2e-18 on a per-turn overhead
+    of 2.4e-3)."""
     stored = calib.Calibration.model_validate_json((DATA / "calibration-uniform-s0.json")
                                                    .read_text())
-    refit = fit(read_bench(DATA / "uniform-s0.json"))
-    assert refit == stored
+    refit = dict(_leaves(fit(read_bench(DATA / "uniform-s0.json")).model_dump()))
+    expected = dict(_leaves(stored.model_dump()))
+    assert refit.keys() == expected.keys()
+    for path, value in expected.items():
+        if isinstance(value, float):
+            assert refit[path] == pytest.approx(value, rel=1e-9, abs=1e-15), path
+        else:
+            assert refit[path] == value, path
 
 
 def test_held_out_runs_are_predicted_within_bounds():
